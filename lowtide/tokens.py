@@ -1,0 +1,55 @@
+"""Offline token counting.
+
+tiktoken fetches its vocabulary on first use and fails without a network, so lowtide counts with
+bpe-openai, which ships the same vocabularies inside the wheel and gives identical counts.
+Counts are estimates for non-OpenAI models; provider-reported usage is the truth.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+DEFAULT_ENCODING = "o200k_base"
+# bpe-openai refuses one very long input; longer texts are encoded in slices cut at whitespace.
+_SLICE_CHARS = 50_000
+
+
+@lru_cache(maxsize=8)
+def get_encoding(name: str = DEFAULT_ENCODING):
+    import bpe_openai
+
+    return bpe_openai.get_encoding(name)
+
+
+def _slices(text: str) -> list[str]:
+    if len(text) <= _SLICE_CHARS:
+        return [text]
+    out, start = [], 0
+    while start < len(text):
+        end = min(start + _SLICE_CHARS, len(text))
+        if end < len(text):
+            cut = text.rfind(" ", start + _SLICE_CHARS // 2, end)
+            end = cut if cut > start else end
+        out.append(text[start:end])
+        start = end
+    return out
+
+
+def encode(text: str, encoding: str = DEFAULT_ENCODING) -> list[int]:
+    """Token ids of `text`; safe for arbitrarily long strings."""
+    enc = get_encoding(encoding)
+    ids: list[int] = []
+    for part in _slices(text):
+        ids.extend(enc.encode(part))
+    return ids
+
+
+def decode(ids: list[int], encoding: str = DEFAULT_ENCODING) -> str:
+    return get_encoding(encoding).decode(ids)
+
+
+def count_tokens(text: str, encoding: str = DEFAULT_ENCODING) -> int:
+    """Number of tokens in `text` (0 for the empty string)."""
+    if not text:
+        return 0
+    return len(encode(text, encoding))
