@@ -1,0 +1,31 @@
+"""Backends: one module per engine and an explicit name → factory table."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from lowtide.backends.base import Backend, TerminalBackendError
+
+KNOWN = ("emulator", "openai")
+
+
+def make_backend(name: str, *, emulator_url: str | None = None) -> Backend:
+    """Build the backend `name`. `emulator_url` is the emulator's base URL for 'emulator'."""
+    from lowtide.backends import openai_batch
+
+    factories: dict[str, Callable[[], Backend]] = {
+        "openai": openai_batch.from_environment,
+        "emulator": lambda: openai_batch.for_base_url(_emulator_v1(emulator_url)),
+    }
+    if name not in factories:
+        raise TerminalBackendError(f"Unknown backend {name!r}; known: {', '.join(KNOWN)}")
+    return factories[name]()
+
+
+def _emulator_v1(url: str | None) -> str:
+    if not url:
+        raise TerminalBackendError(
+            "backend 'emulator' needs a running emulator: start one with `lowtide emulator` and set "
+            "LOWTIDE_EMULATOR_URL, or use `lowtide run`/`lowtide demo`, which start one in-process"
+        )
+    return url.rstrip("/") + "/v1"

@@ -1,0 +1,264 @@
+"""OpenAI Files + Batch API through the official SDK (also any server that speaks it)."""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import openai
+import polars as pl
+
+from lowtide.backends.base import (
+    RESULT_SCHEMA,
+    BatchState,
+    BatchStatus,
+    Capabilities,
+    RequestStatus,
+    TerminalBackendError,
+    TransientBackendError,
+)
+
+T = TypeVar("T")
+
+CAPABILITIES = Capabilities(
+    name="openai",
+    max_requests=50_000,
+    max_bytes=200 * 1024 * 1024,
+    structured_output="json_schema",
+    wire="openai_chat",
+    price_provider="openai",
+)
+
+_STATUS = {
+    "validating": BatchStatus.VALIDATING,
+    "in_progress": BatchStatus.IN_PROGRESS,
+    "finalizing": BatchStatus.FINALIZING,
+    "completed": BatchStatus.COMPLETED,
+    "failed": BatchStatus.FAILED,
+    "expired": BatchStatus.EXPIRED,
+    "cancelling": BatchStatus.CANCELLING,
+    "cancelled": BatchStatus.CANCELLED,
+}
+
+METADATA_KEY = "lowtide_batch_id"
+
+# One result line, as both the output and the error file write it. Giving the schema up front
+# matters: inferred from early `"error": null` lines the column would be typed null.
+_LINE_SCHEMA = {
+    "custom_id": pl.String,
+    "response": pl.Struct(
+        {
+            "status_code": pl.Int64,
+            "body": pl.Struct(
+                {
+                    "choices": pl.List(
+                        pl.Struct(
+                            {
+                                "message": pl.Struct({"content": pl.String, "refusal": pl.String}),
+                                "finish_reason": pl.String,
+                            }
+                        )
+                    ),
+                    "usage": pl.Struct(
+                        {
+                            "prompt_tokens": pl.Int64,
+                            "completion_tokens": pl.Int64,
+                            "prompt_tokens_details": pl.Struct({"cached_tokens": pl.Int64}),
+                        }
+                    ),
+                    "error": pl.Struct(
+                        {"message": pl.String, "type": pl.String, "code": pl.String}
+                    ),
+                }
+            ),
+        }
+    ),
+    "error": pl.Struct({"code": pl.String, "message": pl.String}),
+}
+
+
+def map_status(provider_status: str) -> BatchStatus:
+    """OpenAI batch status → lowtide's vocabulary (the only place that knows OpenAI's strings)."""
+    try:
+        return _STATUS[provider_status]
+    except KeyError as e:
+        raise TerminalBackendError(
+            f"unknown OpenAI batch status {provider_status!r}", backend="openai"
+        ) from e
+
+
+def translate(exc: openai.OpenAIError, operation: str) -> Exception:
+    """SDK exception → transient or terminal, keeping the provider's message."""
+    transient = (
+        openai.RateLimitError,
+        openai.APIConnectionError,
+        openai.APITimeoutError,
+        openai.InternalServerError,
+    )
+    if isinstance(exc, transient) or (
+        isinstance(exc, openai.APIStatusError)
+        and exc.status_code in (408, 409, 429)
+        or isinstance(exc, openai.APIStatusError)
+        and exc.status_code >= 500
+    ):
+        return TransientBackendError(f"{operation}: {exc}", backend="openai", operation=operation)
+    return TerminalBackendError(f"{operation}: {exc}", backend="openai", operation=operation)
+
+
+def parse_result_lines(content: bytes) -> pl.DataFrame:
+    """Output/error file JSONL → RESULT_SCHEMA frame, columnar (no per-line Python)."""
+    if not content.strip():
+        return pl.DataFrame(schema=RESULT_SCHEMA)
+    raw = pl.read_ndjson(io.BytesIO(content), schema=_LINE_SCHEMA)
+    resp = pl.col("response")
+    body = resp.struct.field("body")
+    choice = body.struct.field("choices").list.first()
+    usage = body.struct.field("usage")
+    top_error = pl.col("error")
+    ok = resp.struct.field("status_code").is_between(200, 299)
+    status = (
+        pl.when(ok)
+        .then(pl.lit(RequestStatus.ANSWERED.value))
+        .when(top_error.struct.field("code") == "batch_expired")
+        .then(pl.lit(RequestStatus.EXPIRED.value))
+        .when(top_error.struct.field("code") == "batch_cancelled")
+        .then(pl.lit(RequestStatus.CANCELLED.value))
+        .otherwise(pl.lit(RequestStatus.PROVIDER_ERROR.value))
+    )
+    body_error = body.struct.field("error")
+    error_text = (
+        pl.when(ok)
+        .then(
+            pl.when(choice.struct.field("message").struct.field("refusal").is_not_null()).then(
+                pl.lit("refusal: ") + choice.struct.field("message").struct.field("refusal")
+            )
+        )
+        .when(top_error.is_not_null())
+        .then(
+            top_error.struct.field("code").fill_null("error")
+            + pl.lit(": ")
+            + top_error.struct.field("message").fill_null("")
+        )
+        .otherwise(
+            pl.lit("HTTP ")
+            + resp.struct.field("status_code").cast(pl.String).fill_null("?")
+            + pl.lit(" ")
+            + body_error.struct.field("code")
+            .fill_null(body_error.struct.field("type"))
+            .fill_null("")
+            + pl.lit(": ")
+            + body_error.struct.field("message").fill_null("")
+        )
+    )
+    return raw.select(
+        pl.col("custom_id"),
+        status.alias("status"),
+        pl.when(ok).then(choice.struct.field("message").struct.field("content")).alias("raw_text"),
+        pl.when(ok).then(choice.struct.field("finish_reason")).alias("finish_reason"),
+        error_text.alias("error"),
+        usage.struct.field("prompt_tokens").alias("input_tokens"),
+        usage.struct.field("prompt_tokens_details")
+        .struct.field("cached_tokens")
+        .alias("cached_tokens"),
+        usage.struct.field("completion_tokens").alias("output_tokens"),
+    ).cast(RESULT_SCHEMA)  # type: ignore[arg-type]
+
+
+class OpenAIBatchBackend:
+    """Batches through `client.files` and `client.batches`; `client` decides where they go."""
+
+    def __init__(self, client: openai.OpenAI, capabilities: Capabilities = CAPABILITIES):
+        self.client = client
+        self.capabilities = capabilities
+
+    def _call(self, operation: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except openai.OpenAIError as e:
+            raise translate(e, operation) from e
+
+    def upload(self, batch_id: str, lines: list[str]) -> str:
+        payload = ("\n".join(lines) + "\n").encode("utf-8")
+        f = self._call(
+            "upload",
+            lambda: self.client.files.create(file=(f"{batch_id}.jsonl", payload), purpose="batch"),
+        )
+        return f.id
+
+    def create(self, batch_id: str, input_file_id: str) -> str:
+        batch = self._call(
+            "create",
+            lambda: self.client.batches.create(
+                input_file_id=input_file_id,
+                endpoint="/v1/chat/completions",
+                completion_window="24h",
+                metadata={METADATA_KEY: batch_id},
+            ),
+        )
+        return batch.id
+
+    def find(self, batch_id: str) -> str | None:
+        def scan() -> str | None:
+            for b in self.client.batches.list(limit=100):
+                if (b.metadata or {}).get(METADATA_KEY) == batch_id:
+                    return b.id
+            return None
+
+        return self._call("find", scan)
+
+    def poll(self, provider_batch_id: str) -> BatchState:
+        b = self._call("poll", lambda: self.client.batches.retrieve(provider_batch_id))
+        counts = b.request_counts.model_dump() if b.request_counts else {}
+        errors = [e.model_dump() for e in (b.errors.data or [])] if b.errors else []
+        usage: dict[str, Any] | None = None
+        if getattr(b, "usage", None) is not None:
+            u = b.usage
+            usage = {
+                "input_tokens": u.input_tokens,
+                "cached_tokens": u.input_tokens_details.cached_tokens
+                if u.input_tokens_details
+                else 0,
+                "output_tokens": u.output_tokens,
+            }
+        return BatchState(
+            status=map_status(b.status),
+            provider_status=b.status,
+            counts=counts,
+            output_file_id=b.output_file_id,
+            error_file_id=b.error_file_id,
+            errors=errors,
+            usage=usage,
+        )
+
+    def _content(self, file_id: str) -> bytes:
+        return self._call("download", lambda: self.client.files.content(file_id).content)
+
+    def results(self, state: BatchState) -> pl.DataFrame:
+        frames = [
+            parse_result_lines(self._content(fid))
+            for fid in (state.output_file_id, state.error_file_id)
+            if fid
+        ]
+        if not frames:
+            return pl.DataFrame(schema=RESULT_SCHEMA)
+        return pl.concat(frames)
+
+    def cancel(self, provider_batch_id: str) -> None:
+        self._call("cancel", lambda: self.client.batches.cancel(provider_batch_id))
+
+
+def from_environment() -> OpenAIBatchBackend:
+    """The real OpenAI backend; honours OPENAI_API_KEY and OPENAI_BASE_URL like the SDK does."""
+    if not os.environ.get("OPENAI_API_KEY"):
+        raise TerminalBackendError(
+            "No API key for backend 'openai': set OPENAI_API_KEY "
+            "(looked in: environment). For a dry run without keys use --backend emulator.",
+            backend="openai",
+        )
+    return OpenAIBatchBackend(openai.OpenAI())
+
+
+def for_base_url(base_url: str, api_key: str = "emulator") -> OpenAIBatchBackend:
+    return OpenAIBatchBackend(openai.OpenAI(base_url=base_url, api_key=api_key))

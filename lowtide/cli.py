@@ -1,0 +1,353 @@
+"""The `lowtide` command: run, demo, status, sql, emulator."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+console = Console()
+err_console = Console(stderr=True)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SAMPLE_JOB = REPO_ROOT / "data" / "jobs" / "support-intents.toml"
+
+
+def _prefect_env() -> None:
+    """Keep Prefect offline and inside the working directory unless the user chose otherwise."""
+    os.environ.setdefault("PREFECT_HOME", str(Path(".lowtide/prefect").resolve()))
+    # Prefect's SQLite cannot create the folder itself ("unable to open database file")
+    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+
+
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    err_console.print(f"[bold red]error:[/] {message}")
+    return typer.Exit(code)
+
+
+def _run_job(
+    job_file: Path,
+    backend: str | None,
+    db: Path | None,
+    wait: bool,
+    emulator_url: str | None = None,
+) -> dict[str, Any]:
+    _prefect_env()
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from lowtide import progress as progress_channel
+    from lowtide.backends.base import BackendError
+    from lowtide.jobspec import JobFileError
+    from lowtide.pricing import PriceError
+    from lowtide.store.state import StateLockedError
+    from tasks.assemble import BudgetExceededError
+    from tasks.load import InputError
+
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,
+    ) as bar:
+        handle = bar.add_task("starting Prefect", total=None)
+
+        def show(stage: str, done: int, total: int, note: str) -> None:
+            bar.update(
+                handle, description=f"{stage} {note}".strip(), completed=done, total=total or None
+            )
+
+        progress_channel.set_reporter(show)
+        try:
+            from flows.enrich import enrich
+
+            return enrich(
+                job_file=str(job_file),
+                backend=backend,
+                db=str(db) if db else None,
+                wait=wait,
+                emulator_url=emulator_url,
+            )
+        except (
+            JobFileError,
+            InputError,
+            PriceError,
+            BudgetExceededError,
+            StateLockedError,
+            BackendError,
+        ) as e:
+            raise _fail(str(e)) from e
+        finally:
+            progress_channel.set_reporter(None)
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    t = Table(title=f"run {s['run_id']} — {s['status']}", show_header=False)
+    t.add_column(style="bold")
+    t.add_column(justify="right")
+    m = s.get("metrics") or {}
+    realtime = s.get("realtime_cost_usd") or 0.0
+    cost = s.get("cost_usd") or 0.0
+    rows = [
+        ("job / backend", f"{s['job']} / {s['backend']} ({s['model']})"),
+        ("rows", s.get("rows")),
+        ("units (after chunking)", s.get("units")),
+        ("unique requests (incl. eval set)", s.get("unique_requests")),
+        ("answered by earlier runs (cache)", s.get("cache_hits")),
+        ("requests sent", s.get("requests_sent")),
+        ("succeeded", s.get("succeeded")),
+        ("failed", s.get("failed")),
+        (
+            "tokens in / cached / out",
+            f"{s.get('input_tokens', 0):,} / {s.get('cached_tokens', 0):,} / {s.get('output_tokens', 0):,}",
+        ),
+        ("cost (batch price)", f"${cost:.4f}"),
+        ("realtime, no dedupe, no cache", f"${realtime:.4f}"),
+        (
+            "savings vs realtime",
+            f"${realtime - cost:.4f}"
+            + (f" ({(realtime - cost) / realtime:.0%})" if realtime else ""),
+        ),
+        (
+            "  of which dedupe / cache",
+            f"${m.get('dedupe_savings_usd', 0.0):.4f} / ${m.get('cache_savings_usd', 0.0):.4f}",
+        ),
+        (
+            "eval accuracy",
+            "n/a"
+            if s.get("eval_accuracy") is None
+            else f"{s['eval_accuracy']:.1%} "
+            + " ".join(
+                f"{k}={v:.1%}" for k, v in (s.get("eval_by_field") or {}).items() if v is not None
+            ),
+        ),
+    ]
+    if s.get("failures_by_reason"):
+        rows.append(
+            (
+                "failures by reason",
+                ", ".join(f"{k}: {v}" for k, v in s["failures_by_reason"].items()),
+            )
+        )
+    for k, v in rows:
+        t.add_row(k, "" if v is None else str(v))
+    console.print(t)
+    if s.get("cache_hits") and not s.get("requests_sent"):
+        console.print("[green]Every request was answered by an earlier run: nothing was sent.[/]")
+
+
+def _exit_for(summary: dict[str, Any]) -> None:
+    if summary.get("status") != "completed":
+        raise typer.Exit(1)
+
+
+@app.command()
+def run(
+    job_file: Annotated[Path, typer.Argument(help="The job file (TOML).")],
+    backend: Annotated[
+        str | None, typer.Option(help="emulator | openai (overrides the job file).")
+    ] = None,
+    db: Annotated[
+        Path | None,
+        typer.Option(help="Published DuckDB file (default lowtide.duckdb, or LOWTIDE_DB)."),
+    ] = None,
+    wait: Annotated[bool, typer.Option(help="Wait for batches to finish (default).")] = True,
+) -> None:
+    """Run one job end to end; exits 0 when every row ended succeeded or failed with a reason."""
+    summary = _run_job(job_file, backend, db, wait)
+    _print_summary(summary)
+    _exit_for(summary)
+
+
+@app.command()
+def demo(
+    db: Annotated[Path | None, typer.Option(help="Published DuckDB file.")] = None,
+) -> None:
+    """Run the sample job on the built-in emulator (no keys, no GPU) and show a first query."""
+    summary = _run_job(SAMPLE_JOB, "emulator", db, True)
+    _print_summary(summary)
+    view = summary["job"].replace("-", "_")
+    console.print(f"\nResults are in {summary['db']}. A first query:")
+    query = f"SELECT message_id, channel, intent, urgency, summary FROM {view} LIMIT 5"
+    console.print(f'  [bold]lowtide sql "{query}"[/]')
+    _sql(query, Path(summary["db"]))
+    console.print(
+        f'Every column: [bold]lowtide sql "SELECT * FROM {view} LIMIT 5"[/] '
+        f"(or duckdb {summary['db']})"
+    )
+    _exit_for(summary)
+
+
+def _sql(query: str, db: Path) -> None:
+    import duckdb
+
+    if not db.is_file():
+        raise _fail(f"{db}: no published file yet; run a job first (lowtide demo)")
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        rel = con.sql(query)
+        if rel is None:
+            console.print("ok")
+            return
+        cols = rel.columns
+        rows = rel.limit(200).fetchall()
+    except duckdb.Error as e:
+        raise _fail(f"{db}: {e}") from e
+    finally:
+        con.close()
+    t = Table(show_lines=False)
+    for c in cols:
+        t.add_column(c, no_wrap=True, overflow="ellipsis", max_width=32)
+    for r in rows:
+        t.add_row(*["" if v is None else " ".join(str(v).split())[:200] for v in r])
+    console.print(t)
+    if len(rows) == 200:
+        console.print("(first 200 rows shown)")
+
+
+@app.command()
+def sql(
+    query: Annotated[str, typer.Argument(help="SQL to run against the published file.")],
+    db: Annotated[Path | None, typer.Option(help="Published DuckDB file.")] = None,
+) -> None:
+    """Run SQL against the published file (read-only) and print a table."""
+    from lowtide.settings import Settings
+
+    _sql(query, db or Settings().db)
+
+
+STATUS_FIELDS = (
+    "run_id",
+    "job",
+    "backend",
+    "model",
+    "status",
+    "rows",
+    "succeeded",
+    "failed",
+    "unique_requests",
+    "requests_sent",
+    "cache_hits",
+    "cost_usd",
+    "estimate_usd",
+    "eval_accuracy",
+    "started_at",
+    "finished_at",
+    "published_at",
+    "error",
+)
+
+
+@app.command()
+def status(
+    run_id: Annotated[str | None, typer.Argument(help="One run (default: all runs).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Show runs (and a run's batches) from the state file."""
+    import orjson
+
+    from lowtide.settings import Settings
+    from lowtide.store.state import Store
+
+    settings = Settings()
+    if not settings.state.is_file():
+        if as_json:
+            console.print_json("[]")
+            return
+        raise _fail(f"{settings.state}: no state file yet; run a job first")
+    store = Store(settings.state, settings.lock_timeout_s)
+    runs = store.list_runs(run_id)
+    if run_id and runs.is_empty():
+        raise _fail(f"no run {run_id!r} in {settings.state}")
+    records = [{k: r.get(k) for k in STATUS_FIELDS} for r in runs.iter_rows(named=True)]
+    batches = store.query(
+        "SELECT run_id, batch_id, status, provider_batch_id, n_requests, request_counts FROM batches "
+        + ("WHERE run_id = ? " if run_id else "")
+        + "ORDER BY run_id, shard, attempt",
+        [run_id] if run_id else [],
+    )
+    for rec in records:
+        rec["batches"] = [b for b in batches.iter_rows(named=True) if b["run_id"] == rec["run_id"]]
+    if as_json:
+        print(orjson.dumps(records, default=str, option=orjson.OPT_INDENT_2).decode())
+        return
+    t = Table("run", "status", "backend", "rows", "ok", "failed", "sent", "cached", "cost $")
+    for r in records:
+        t.add_row(
+            r["run_id"],
+            r["status"],
+            r["backend"],
+            *(
+                str(r.get(k) or 0)
+                for k in ("rows", "succeeded", "failed", "requests_sent", "cache_hits")
+            ),
+            f"{r.get('cost_usd') or 0:.4f}",
+        )
+    console.print(t)
+    if run_id:
+        bt = Table("batch", "status", "provider id", "requests", "counts")
+        for b in records[0]["batches"]:
+            bt.add_row(
+                b["batch_id"],
+                b["status"],
+                b["provider_batch_id"] or "",
+                str(b["n_requests"]),
+                b["request_counts"] or "",
+            )
+        console.print(bt)
+
+
+@app.command()
+def emulator(
+    port: Annotated[int, typer.Option(help="Port for the OpenAI/Anthropic emulator.")] = 8765,
+    faults: Annotated[str, typer.Option(help="Fault rules, see docs/emulator.md.")] = "",
+    time_scale: Annotated[float, typer.Option(help="Simulated seconds per real second.")] = 60.0,
+    engines: Annotated[int, typer.Option(help="Also start N emulated vLLM engines.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed for shuffling, errors and broken answers.")] = 0,
+    malformed_rate: Annotated[float, typer.Option(help="Share of broken answers.")] = 0.0,
+    error_rate: Annotated[float, typer.Option(help="Share of per-request provider errors.")] = 0.01,
+    model_version: Annotated[
+        int, typer.Option(help="Model version (2 answers a few % differently).")
+    ] = 1,
+) -> None:
+    """Start the local emulator in the foreground and print the variables to export."""
+    from lowtide.emulator.main import serve
+
+    pool = None
+    if engines:
+        from lowtide.emulator.vllm_pool import start_engines
+
+        pool = start_engines(engines)
+        console.print(f"LOWTIDE_VLLM_URLS={','.join(pool.urls)}")
+    try:
+        serve(
+            port=port,
+            faults=faults,
+            time_scale=time_scale,
+            seed=seed,
+            malformed_rate=malformed_rate,
+            error_rate=error_rate,
+            model_version=model_version,
+        )
+    finally:
+        if pool is not None:
+            pool.close()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

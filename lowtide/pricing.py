@@ -1,0 +1,73 @@
+"""The dated price table: USD per million tokens by provider and model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+
+import polars as pl
+
+
+class PriceError(ValueError):
+    """No usable price for a model; the message names the table and what to add."""
+
+
+@dataclass(frozen=True)
+class Price:
+    provider: str
+    model: str
+    effective_date: str
+    input: float  # USD per million input tokens, realtime list price
+    cached_input: float
+    output: float
+    batch_discount: float  # multiplier for batch usage, e.g. 0.5
+
+    def cost(
+        self, input_tokens: int, cached_tokens: int, output_tokens: int, *, batch: bool
+    ) -> float:
+        """USD for this usage. `input_tokens` includes `cached_tokens` (OpenAI's convention)."""
+        fresh = max(0, input_tokens - cached_tokens)
+        usd = (
+            fresh * self.input + cached_tokens * self.cached_input + output_tokens * self.output
+        ) / 1e6
+        return usd * (self.batch_discount if batch else 1.0)
+
+    def per_mtok(self) -> dict[str, float]:
+        return {
+            "input": self.input * self.batch_discount,
+            "output": self.output * self.batch_discount,
+        }
+
+
+def load_price(
+    table: str | Path | None, provider: str, model: str, on: date | None = None
+) -> Price:
+    """The newest row for (provider, model) effective on `on` (today by default)."""
+    if table is None:
+        raise PriceError(f"no price table: set [cost] price_table in the job file to price {model}")
+    path = Path(table)
+    if not path.is_file():
+        raise PriceError(f"{path}: price table not found ([cost] price_table)")
+    prices = pl.read_csv(path, schema_overrides={"effective_date": pl.String})
+    on_s = (on or date.today()).isoformat()
+    rows = prices.filter(
+        (pl.col("provider") == provider)
+        & (pl.col("model") == model)
+        & (pl.col("effective_date") <= on_s)
+    ).sort("effective_date")
+    if rows.is_empty():
+        raise PriceError(
+            f"{path}: no price for provider {provider!r}, model {model!r} effective on {on_s}; "
+            "add a row for it"
+        )
+    r = rows.row(-1, named=True)
+    return Price(
+        provider=provider,
+        model=model,
+        effective_date=str(r["effective_date"]),
+        input=float(r["input_usd_per_mtok"]),
+        cached_input=float(r["cached_input_usd_per_mtok"]),
+        output=float(r["output_usd_per_mtok"]),
+        batch_discount=float(r["batch_discount"]),
+    )

@@ -1,0 +1,192 @@
+"""Numbered, append-only schema migrations for the state file.
+
+Never edit a migration that has shipped: add a new one. `apply(con)` brings any file, empty or
+old, to the latest version and records each step in `schema_version`.
+"""
+
+from __future__ import annotations
+
+import duckdb
+
+MIGRATIONS: list[tuple[int, str, str]] = [
+    (
+        1,
+        "initial tables",
+        """
+        CREATE TABLE jobs (
+            job VARCHAR PRIMARY KEY,
+            view_name VARCHAR NOT NULL,
+            id_column VARCHAR NOT NULL,
+            output_schema VARCHAR NOT NULL,   -- JSON schema of the output, for the typed view
+            job_file VARCHAR,
+            updated_at TIMESTAMP NOT NULL
+        );
+        CREATE TABLE runs (
+            run_id VARCHAR PRIMARY KEY,
+            job VARCHAR NOT NULL,
+            job_fingerprint VARCHAR NOT NULL,
+            job_file VARCHAR,
+            backend VARCHAR NOT NULL,
+            model VARCHAR NOT NULL,
+            status VARCHAR NOT NULL,          -- running | submitted | completed | failed
+            started_at TIMESTAMP NOT NULL,
+            finished_at TIMESTAMP,
+            rows BIGINT,
+            units BIGINT,
+            unique_requests BIGINT,
+            cache_hits BIGINT,
+            requests_sent BIGINT,
+            succeeded BIGINT,
+            failed BIGINT,
+            eval_accuracy DOUBLE,
+            estimate_usd DOUBLE,
+            cost_usd DOUBLE,
+            realtime_cost_usd DOUBLE,
+            published_at TIMESTAMP,
+            error VARCHAR
+        );
+        CREATE TABLE units (
+            run_id VARCHAR NOT NULL,
+            unit_id VARCHAR NOT NULL,         -- source_id + '#' + chunk number
+            source_id VARCHAR NOT NULL,
+            kind VARCHAR NOT NULL,            -- row | eval
+            chunk_index INTEGER NOT NULL,
+            n_chunks INTEGER NOT NULL,
+            unit_tokens INTEGER,
+            custom_id VARCHAR NOT NULL,
+            cache_hit BOOLEAN NOT NULL,
+            PRIMARY KEY (run_id, unit_id)
+        );
+        CREATE TABLE requests (
+            custom_id VARCHAR PRIMARY KEY,    -- versioned, derived from request_key
+            request_key VARCHAR NOT NULL UNIQUE,
+            job VARCHAR NOT NULL,
+            model VARCHAR NOT NULL,
+            first_run_id VARCHAR NOT NULL,
+            est_input_tokens INTEGER,
+            line VARCHAR NOT NULL,            -- the batch JSONL line, exactly as sent
+            created_at TIMESTAMP NOT NULL
+        );
+        CREATE TABLE batches (
+            batch_id VARCHAR PRIMARY KEY,     -- lowtide's own id, written before any upload
+            run_id VARCHAR NOT NULL,
+            shard INTEGER NOT NULL,
+            attempt INTEGER NOT NULL,
+            backend VARCHAR NOT NULL,
+            status VARCHAR NOT NULL,          -- lowtide's batch vocabulary (backends.base.BatchStatus)
+            provider_status VARCHAR,
+            provider_batch_id VARCHAR,
+            input_file_id VARCHAR,
+            output_file_id VARCHAR,
+            error_file_id VARCHAR,
+            n_requests INTEGER NOT NULL,
+            n_bytes BIGINT NOT NULL,
+            request_counts VARCHAR,
+            errors VARCHAR,
+            collected BOOLEAN NOT NULL DEFAULT false,
+            created_at TIMESTAMP NOT NULL,
+            updated_at TIMESTAMP NOT NULL
+        );
+        CREATE TABLE batch_requests (
+            batch_id VARCHAR NOT NULL,
+            custom_id VARCHAR NOT NULL,
+            PRIMARY KEY (batch_id, custom_id)
+        );
+        CREATE TABLE results (
+            custom_id VARCHAR PRIMARY KEY,
+            batch_id VARCHAR,
+            run_id VARCHAR NOT NULL,
+            outcome VARCHAR NOT NULL,         -- ok | repaired | parse_failed | provider_error | expired | missing
+            output VARCHAR,                   -- validated JSON
+            raw_text VARCHAR,
+            finish_reason VARCHAR,
+            error VARCHAR,
+            input_tokens BIGINT,
+            cached_tokens BIGINT,
+            output_tokens BIGINT,
+            attempts INTEGER NOT NULL,
+            received_at TIMESTAMP NOT NULL
+        );
+        CREATE TABLE failures (
+            run_id VARCHAR NOT NULL,
+            source_id VARCHAR NOT NULL,
+            kind VARCHAR NOT NULL,
+            unit_id VARCHAR,
+            reason VARCHAR NOT NULL,
+            detail VARCHAR,
+            PRIMARY KEY (run_id, source_id, kind)
+        );
+        CREATE TABLE qa_samples (
+            run_id VARCHAR NOT NULL,
+            unit_id VARCHAR NOT NULL,
+            source_id VARCHAR NOT NULL,
+            output VARCHAR,
+            verdict VARCHAR,
+            correct_value VARCHAR,
+            PRIMARY KEY (run_id, unit_id)
+        );
+        CREATE TABLE eval_scores (
+            run_id VARCHAR NOT NULL,
+            job VARCHAR NOT NULL,
+            field VARCHAR NOT NULL,
+            n BIGINT NOT NULL,
+            correct BIGINT NOT NULL,
+            accuracy DOUBLE,
+            schema_valid_rate DOUBLE,
+            PRIMARY KEY (run_id, field)
+        );
+        CREATE TABLE costs (
+            run_id VARCHAR NOT NULL,
+            level VARCHAR NOT NULL,           -- run | batch
+            batch_id VARCHAR NOT NULL,        -- '' for the run level
+            backend VARCHAR NOT NULL,
+            model VARCHAR NOT NULL,
+            requests BIGINT NOT NULL,
+            input_tokens BIGINT NOT NULL,
+            cached_tokens BIGINT NOT NULL,
+            output_tokens BIGINT NOT NULL,
+            cost_usd DOUBLE NOT NULL,
+            realtime_cost_usd DOUBLE NOT NULL,
+            estimate_usd DOUBLE,
+            price_date VARCHAR,
+            PRIMARY KEY (run_id, level, batch_id)
+        );
+        CREATE TABLE metrics (
+            run_id VARCHAR NOT NULL,
+            name VARCHAR NOT NULL,
+            value DOUBLE,
+            PRIMARY KEY (run_id, name)
+        );
+        """,
+    ),
+]
+
+LATEST = MIGRATIONS[-1][0]
+
+
+def current_version(con: duckdb.DuckDBPyConnection) -> int:
+    con.execute(
+        "CREATE TABLE IF NOT EXISTS schema_version "
+        "(version INTEGER PRIMARY KEY, description VARCHAR, applied_at TIMESTAMP)"
+    )
+    rows = con.execute("SELECT coalesce(max(version), 0) FROM schema_version").fetchall()
+    return int(rows[0][0])
+
+
+def apply(con: duckdb.DuckDBPyConnection) -> int:
+    """Apply every migration newer than the file's version, each in its own transaction."""
+    version = current_version(con)
+    if version > LATEST:
+        raise RuntimeError(
+            f"state file is at schema version {version}, newer than this lowtide ({LATEST}); "
+            "upgrade lowtide"
+        )
+    for number, description, sql in MIGRATIONS:
+        if number <= version:
+            continue
+        con.execute("BEGIN")
+        con.execute(sql)
+        con.execute("INSERT INTO schema_version VALUES (?, ?, now())", [number, description])
+        con.execute("COMMIT")
+        version = number
+    return version

@@ -1,0 +1,124 @@
+"""The published file: what analysts open.
+
+It is rebuilt from the state file into a new file and renamed over the old one, so a reader sees
+the previous or the next state, never half of one, and a reader holding the old file open blocks
+nothing (it keeps reading the old inode).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+from lowtide.store.state import ANSWERED, Store, _ident
+
+PIPELINE_TABLES = (
+    "schema_version",
+    "runs",
+    "units",
+    "requests",
+    "batches",
+    "batch_requests",
+    "results",
+    "failures",
+    "qa_samples",
+    "eval_scores",
+    "costs",
+    "metrics",
+)
+
+_SQL_TYPES = {"string": "VARCHAR", "integer": "BIGINT", "number": "DOUBLE", "boolean": "BOOLEAN"}
+
+
+def _field_type(spec: dict[str, Any]) -> str:
+    kind = spec.get("type", "string")
+    if isinstance(kind, list):  # nullable union like ["string", "null"]
+        kind = next((k for k in kind if k != "null"), "string")
+    return _SQL_TYPES.get(kind, "JSON")
+
+
+def job_view_sql(
+    job: str, view: str, src_table: str, id_column: str, schema: dict[str, Any]
+) -> str:
+    """One row per unit of the job's latest published run: source columns, then typed outputs."""
+    fields = []
+    for name, spec in schema.get("properties", {}).items():
+        sql_type = _field_type(spec if isinstance(spec, dict) else {})
+        path = "$." + name
+        if sql_type == "JSON":
+            fields.append(f"json_extract(r.output, '{path}') AS {_ident(name)}")
+        else:
+            fields.append(
+                f"TRY_CAST(json_extract_string(r.output, '{path}') AS {sql_type}) AS {_ident(name)}"
+            )
+    outputs = ",\n       ".join(fields)
+    job_literal = job.replace("'", "''")
+    return f"""
+CREATE OR REPLACE VIEW {_ident(view)} AS
+WITH latest AS (
+    SELECT run_id FROM runs WHERE job = '{job_literal}' AND published_at IS NOT NULL
+    ORDER BY published_at DESC LIMIT 1
+)
+SELECT s.source_id AS {_ident(id_column)},
+       s.* EXCLUDE (run_id, source_id),
+       u.chunk_index, u.n_chunks,
+       CASE WHEN r.outcome IN {ANSWERED} THEN 'succeeded' ELSE 'failed' END AS status,
+       r.outcome,
+       {outputs},
+       coalesce(r.error, CASE WHEN r.outcome IS NULL THEN 'no answer' END) AS failure_reason,
+       u.run_id
+FROM latest
+JOIN units u ON u.run_id = latest.run_id AND u.kind = 'row'
+JOIN {_ident(src_table)} s ON s.run_id = u.run_id AND s.source_id = u.source_id
+LEFT JOIN results r ON r.custom_id = u.custom_id
+ORDER BY u.source_id, u.chunk_index
+"""
+
+
+def source_table(view: str) -> str:
+    return f"src_{view}"
+
+
+def publish(store: Store, db_path: str | Path, jobs: list[dict[str, Any]]) -> Path:
+    """Write a fresh published file from the state file and swap it in atomically.
+
+    `jobs`: for each job to expose as a view, {job, view, id_column, schema}.
+    """
+    db_path = Path(db_path)
+    db_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = db_path.with_name(f".{db_path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    with store.connect() as con:
+        con.execute(f"ATTACH '{tmp}' AS pub")
+        try:
+            present = {
+                r[0]
+                for r in con.execute(
+                    "SELECT table_name FROM duckdb_tables() WHERE database_name = current_database()"
+                ).fetchall()
+            }
+            for table in sorted(present):
+                if table in PIPELINE_TABLES or table.startswith("src_"):
+                    con.execute(
+                        f"CREATE TABLE pub.{_ident(table)} AS SELECT * FROM {_ident(table)}"
+                    )
+        finally:
+            con.execute("DETACH pub")
+    pub = duckdb.connect(str(tmp))
+    try:
+        for job in jobs:
+            src = source_table(job["view"])
+            has_src = pub.execute(
+                "SELECT count(*) FROM duckdb_tables() WHERE table_name = ?", [src]
+            ).fetchall()[0]
+            if not has_src or not has_src[0]:
+                continue
+            pub.execute(job_view_sql(job["job"], job["view"], src, job["id_column"], job["schema"]))
+        pub.execute("CHECKPOINT")
+    finally:
+        pub.close()
+    os.replace(tmp, db_path)
+    return db_path

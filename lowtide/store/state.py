@@ -1,0 +1,309 @@
+"""The state file: every fact about every run, owned by this one module.
+
+Only the flow's own process writes it, in short transactions: open, write, commit, close. Another
+lowtide process holding the file is waited for (bounded), then reported by name and holder.
+Everything row-level moves in and out as Arrow/polars frames, never row by row.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import polars as pl
+
+from lowtide.store import migrations
+
+TERMINAL_BATCH = ("completed", "failed", "expired", "cancelled")
+ANSWERED = ("ok", "repaired")
+
+
+class StateLockedError(RuntimeError):
+    """Another process holds the state file for longer than we are willing to wait."""
+
+    def __init__(self, path: Path, waited_s: float, detail: str):
+        self.path = str(path)
+        holder = re.search(r"held in (.*?)(?:\. See|$)", detail)
+        who = holder.group(1) if holder else "another process"
+        super().__init__(
+            f"state file {path} is locked by {who}; waited {waited_s:.0f} s. "
+            "Wait for that lowtide process to finish (or stop it), or point LOWTIDE_STATE elsewhere."
+        )
+
+
+def frame(
+    con: duckdb.DuckDBPyConnection, sql: str, params: list[Any] | None = None
+) -> pl.DataFrame:
+    """Run a query and return its result as a polars frame (through Arrow, no row loop)."""
+    result = pl.from_arrow(con.sql(sql, params=params or None).to_arrow_table())
+    assert isinstance(result, pl.DataFrame)
+    return result
+
+
+def _ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+class Store:
+    """All SQL against the state file. Each public method is one short transaction."""
+
+    def __init__(self, path: str | Path, lock_timeout_s: float = 30.0):
+        self.path = Path(path)
+        self.lock_timeout_s = lock_timeout_s
+        self._migrated = False
+
+    # -- connection --------------------------------------------------------------------------
+    @contextmanager
+    def connect(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + self.lock_timeout_s
+        delay = 0.05
+        while True:
+            try:
+                con = duckdb.connect(str(self.path))
+                break
+            except duckdb.IOException as e:
+                if "lock" not in str(e).lower():
+                    raise
+                if time.monotonic() >= deadline:
+                    raise StateLockedError(self.path, self.lock_timeout_s, str(e)) from e
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        try:
+            if not self._migrated:
+                migrations.apply(con)
+                self._migrated = True
+            yield con
+        finally:
+            con.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        with self.connect() as con:
+            con.execute("BEGIN")
+            try:
+                yield con
+            except BaseException:
+                con.execute("ROLLBACK")
+                raise
+            con.execute("COMMIT")
+
+    def query(self, sql: str, params: list[Any] | None = None) -> pl.DataFrame:
+        with self.connect() as con:
+            return frame(con, sql, params)
+
+    def scalar(self, sql: str, params: list[Any] | None = None) -> Any:
+        with self.connect() as con:
+            rows = con.execute(sql, params or []).fetchall()
+            return rows[0][0] if rows else None
+
+    # -- jobs ----------------------------------------------------------------------------------
+    def save_job(
+        self, job: str, view: str, id_column: str, schema_json: str, job_file: str
+    ) -> None:
+        with self.transaction() as con:
+            con.execute(
+                "INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?, now())",
+                [job, view, id_column, schema_json, job_file],
+            )
+
+    def job_views(self) -> list[dict[str, Any]]:
+        """Every job's view definition inputs, for publishing."""
+        import orjson
+
+        jobs = self.query("SELECT * FROM jobs ORDER BY job")
+        return [
+            {
+                "job": r["job"],
+                "view": r["view_name"],
+                "id_column": r["id_column"],
+                "schema": orjson.loads(r["output_schema"]),
+            }
+            for r in jobs.iter_rows(named=True)
+        ]
+
+    # -- runs ----------------------------------------------------------------------------------
+    def create_run(self, **fields: Any) -> None:
+        cols = ", ".join(fields)
+        marks = ", ".join("?" for _ in fields)
+        with self.transaction() as con:
+            con.execute(f"INSERT INTO runs ({cols}) VALUES ({marks})", list(fields.values()))
+
+    def update_run(self, run_id: str, **fields: Any) -> None:
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        with self.transaction() as con:
+            con.execute(f"UPDATE runs SET {sets} WHERE run_id = ?", [*fields.values(), run_id])
+
+    def get_run(self, run_id: str) -> dict[str, Any] | None:
+        df = self.query("SELECT * FROM runs WHERE run_id = ?", [run_id])
+        return df.row(0, named=True) if df.height else None
+
+    def resumable_run(self, job: str, fingerprint: str) -> str | None:
+        """The newest unfinished run of this job with the same job content, if any."""
+        return self.scalar(
+            "SELECT run_id FROM runs WHERE job = ? AND job_fingerprint = ? "
+            "AND status IN ('running', 'submitted') ORDER BY started_at DESC LIMIT 1",
+            [job, fingerprint],
+        )
+
+    def list_runs(self, run_id: str | None = None) -> pl.DataFrame:
+        where = "WHERE run_id = ?" if run_id else ""
+        return self.query(
+            f"SELECT * FROM runs {where} ORDER BY started_at DESC", [run_id] if run_id else []
+        )
+
+    # -- sources and units -----------------------------------------------------------------------
+    def save_sources(self, table: str, run_id: str, frame: pl.DataFrame) -> None:
+        """Keep the run's input rows (typed) so the job view can show them next to outputs."""
+        with self.transaction() as con:
+            con.register("incoming", frame)
+            con.execute(
+                f"CREATE TABLE IF NOT EXISTS {_ident(table)} AS "
+                "SELECT ?::VARCHAR AS run_id, * FROM incoming LIMIT 0",
+                [run_id],
+            )
+            con.execute(f"DELETE FROM {_ident(table)} WHERE run_id = ?", [run_id])
+            con.execute(
+                f"INSERT INTO {_ident(table)} BY NAME SELECT ?::VARCHAR AS run_id, * FROM incoming",
+                [run_id],
+            )
+
+    def save_units(self, run_id: str, units: pl.DataFrame) -> None:
+        with self.transaction() as con:
+            con.register("incoming", units)
+            con.execute("DELETE FROM units WHERE run_id = ?", [run_id])
+            con.execute(
+                "INSERT INTO units BY NAME SELECT ?::VARCHAR AS run_id, unit_id, source_id, kind, "
+                "chunk_index, n_chunks, unit_tokens, custom_id, cache_hit FROM incoming",
+                [run_id],
+            )
+
+    def known_outcomes(self, custom_ids: pl.Series) -> pl.DataFrame:
+        """Which of these requests are already answered, or already in a live batch."""
+        with self.connect() as con:
+            con.register("wanted", pl.DataFrame({"custom_id": custom_ids}))
+            return frame(
+                con,
+                f"""
+                SELECT w.custom_id,
+                       coalesce(r.outcome IN {ANSWERED}, false) AS answered,
+                       EXISTS (SELECT 1 FROM batch_requests br JOIN batches b USING (batch_id)
+                               WHERE br.custom_id = w.custom_id
+                                 AND (b.status NOT IN {TERMINAL_BATCH} OR NOT b.collected))
+                           AS in_flight,
+                       (SELECT count(*) FROM batch_requests br WHERE br.custom_id = w.custom_id)
+                           AS attempts
+                FROM wanted w LEFT JOIN results r USING (custom_id)
+                """,
+            )
+
+    # -- manifest and batches --------------------------------------------------------------------
+    def write_manifest(
+        self, run_id: str, requests: pl.DataFrame, batches: pl.DataFrame, members: pl.DataFrame
+    ) -> None:
+        """Request lines and pending batch rows, committed together before anything is sent."""
+        with self.transaction() as con:
+            con.register("req", requests)
+            con.register("bat", batches)
+            con.register("mem", members)
+            con.execute(
+                "INSERT OR IGNORE INTO requests BY NAME SELECT custom_id, request_key, job, model, "
+                "?::VARCHAR AS first_run_id, est_input_tokens, line, now() AS created_at FROM req",
+                [run_id],
+            )
+            con.execute(
+                "INSERT INTO batches BY NAME SELECT batch_id, ?::VARCHAR AS run_id, shard, attempt, "
+                "backend, 'pending' AS status, n_requests, n_bytes, false AS collected, "
+                "now() AS created_at, now() AS updated_at FROM bat",
+                [run_id],
+            )
+            con.execute("INSERT OR IGNORE INTO batch_requests SELECT batch_id, custom_id FROM mem")
+
+    def run_batches(self, run_id: str) -> pl.DataFrame:
+        return self.query(
+            "SELECT * FROM batches WHERE run_id = ? ORDER BY shard, attempt", [run_id]
+        )
+
+    def open_batches(self, run_id: str | None = None) -> pl.DataFrame:
+        """Batches not yet collected (in any state), optionally for one run."""
+        where = "AND run_id = ?" if run_id else ""
+        return self.query(
+            f"SELECT * FROM batches WHERE NOT collected {where} ORDER BY created_at, shard",
+            [run_id] if run_id else [],
+        )
+
+    def update_batch(self, batch_id: str, **fields: Any) -> None:
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        with self.transaction() as con:
+            con.execute(
+                f"UPDATE batches SET {sets}, updated_at = now() WHERE batch_id = ?",
+                [*fields.values(), batch_id],
+            )
+
+    def batch_lines(self, batch_id: str) -> list[str]:
+        with self.connect() as con:
+            rows = con.sql(
+                "SELECT r.line FROM batch_requests br JOIN requests r USING (custom_id) "
+                "WHERE br.batch_id = ? ORDER BY r.custom_id",
+                params=[batch_id],
+            ).to_arrow_table()
+        return rows.column("line").to_pylist()
+
+    def batch_members(self, batch_id: str) -> pl.DataFrame:
+        return self.query("SELECT custom_id FROM batch_requests WHERE batch_id = ?", [batch_id])
+
+    # -- results -----------------------------------------------------------------------------------
+    def upsert_results(self, results: pl.DataFrame) -> None:
+        """Insert or replace results by custom_id; a repeated download changes nothing.
+
+        An answered request is never overwritten by a later failure of another attempt.
+        """
+        if results.is_empty():
+            return
+        with self.transaction() as con:
+            con.register("incoming", results)
+            con.execute(
+                f"""
+                INSERT OR REPLACE INTO results BY NAME
+                SELECT i.*, now() AS received_at FROM incoming i
+                LEFT JOIN results r USING (custom_id)
+                WHERE r.custom_id IS NULL OR r.outcome NOT IN {ANSWERED}
+                   OR i.outcome IN {ANSWERED} AND r.batch_id = i.batch_id
+                """
+            )
+
+    def results_for(self, custom_ids: pl.Series) -> pl.DataFrame:
+        with self.connect() as con:
+            con.register("wanted", pl.DataFrame({"custom_id": custom_ids}))
+            return frame(con, "SELECT r.* FROM results r JOIN wanted USING (custom_id)")
+
+    def replace_rows(self, table: str, run_id: str, frame: pl.DataFrame) -> None:
+        """Replace a run's rows in a per-run table (failures, qa_samples, eval_scores, costs, metrics)."""
+        assert table in {"failures", "qa_samples", "eval_scores", "costs", "metrics"}
+        with self.transaction() as con:
+            con.execute(f"DELETE FROM {table} WHERE run_id = ?", [run_id])
+            if frame.height:
+                con.register("incoming", frame)
+                con.execute(
+                    f"INSERT INTO {table} BY NAME SELECT ?::VARCHAR AS run_id, * FROM incoming",
+                    [run_id],
+                )
+
+    def run_unit_outcomes(self, run_id: str) -> pl.DataFrame:
+        """Every unit of a run with its request's outcome (null if not answered yet)."""
+        return self.query(
+            """
+            SELECT u.unit_id, u.source_id, u.kind, u.chunk_index, u.n_chunks, u.custom_id,
+                   u.cache_hit, r.outcome, r.output, r.error, r.batch_id, r.input_tokens,
+                   r.cached_tokens, r.output_tokens, r.run_id AS answered_in_run
+            FROM units u LEFT JOIN results r USING (custom_id)
+            WHERE u.run_id = ?
+            ORDER BY u.kind, u.source_id, u.chunk_index
+            """,
+            [run_id],
+        )

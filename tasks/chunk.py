@@ -1,0 +1,146 @@
+"""chunk: rows → units (unit_id = source_id + '#' + chunk number), each within the token budget.
+
+A token is at least one byte, so a text of at most `max_tokens` UTF-8 bytes always fits: only
+longer texts are tokenized. Splits are cut on token boundaries moved back to a character start,
+so the chunks of a row (without overlap) concatenate to the row's exact text.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+from pathlib import Path
+
+import polars as pl
+from prefect import task
+
+from lowtide.jobspec import JobSpec
+from lowtide.tokens import count_tokens, encode, get_encoding
+
+# Re-encoding a cut piece can merge differently at its edges; keep a little headroom.
+_EDGE_TOKENS = 2
+
+
+def _char_start(data: bytes, pos: int) -> int:
+    while 0 < pos < len(data) and (data[pos] & 0xC0) == 0x80:
+        pos -= 1
+    return pos
+
+
+def split_text(
+    text: str, max_tokens: int, overlap: int = 0, encoding: str = "o200k_base"
+) -> list[str]:
+    """Cut `text` into pieces of at most `max_tokens` tokens, consecutive pieces sharing
+    about `overlap` tokens. With overlap 0 the pieces concatenate to `text`."""
+    data = text.encode("utf-8")
+    if len(data) <= max_tokens:
+        return [text]
+    ids = encode(text, encoding)
+    if len(ids) <= max_tokens:
+        return [text]
+    enc = get_encoding(encoding)
+    offsets = [0, *accumulate(len(b) for b in enc.decode_tokens_bytes(ids))]
+    window = max(1, max_tokens - _EDGE_TOKENS)
+    step = max(1, window - overlap)
+    pieces: list[str] = []
+    start_tok = 0
+    while True:
+        end_tok = min(start_tok + window, len(ids))
+        a = _char_start(data, offsets[start_tok])
+        b = len(data) if end_tok == len(ids) else _char_start(data, offsets[end_tok])
+        piece = data[a:b].decode("utf-8")
+        while count_tokens(piece, encoding) > max_tokens and b > a + 1:
+            b = _char_start(data, b - 1)
+            piece = data[a:b].decode("utf-8")
+        pieces.append(piece)
+        if end_tok >= len(ids):
+            break
+        start_tok += step
+    return pieces
+
+
+def chunk_units(
+    rows: pl.DataFrame,
+    *,
+    max_tokens: int,
+    overlap: int = 0,
+    mode: str = "split",
+    encoding: str = "o200k_base",
+    kind: str = "row",
+) -> pl.DataFrame:
+    """(source_id, text, …) → units (unit_id, source_id, kind, chunk_index, n_chunks, text, …).
+
+    Rows whose text fits the budget in bytes pass through untouched (vectorised); only the long
+    tail is tokenized. Null text becomes an empty unit, which later fails with a reason.
+    """
+    rows = rows.with_columns(pl.col("text").fill_null(""))
+    long_mask = pl.col("text").str.len_bytes() > max_tokens
+    short = rows.filter(~long_mask).with_columns(
+        pl.lit(0, pl.Int32).alias("chunk_index"),
+        pl.lit(1, pl.Int32).alias("n_chunks"),
+        pl.lit(None, pl.Int32).alias("unit_tokens"),
+    )
+    long_rows = rows.filter(long_mask)
+    if long_rows.height:
+        pieces = [split_text(t, max_tokens, overlap, encoding) for t in long_rows["text"].to_list()]
+        if mode == "truncate":
+            pieces = [p[:1] for p in pieces]
+        exploded = (
+            long_rows.with_columns(pl.Series("text", pieces, dtype=pl.List(pl.String)))
+            .with_columns(pl.col("text").list.len().cast(pl.Int32).alias("n_chunks"))
+            .explode("text")
+            .with_columns(
+                pl.int_range(pl.len()).over("source_id").cast(pl.Int32).alias("chunk_index"),
+            )
+        )
+        exploded = exploded.with_columns(
+            pl.Series(
+                "unit_tokens",
+                [count_tokens(t, encoding) for t in exploded["text"].to_list()],
+                dtype=pl.Int32,
+            )
+        )
+        short = pl.concat([short, exploded.select(short.columns)], how="vertical")
+    return short.with_columns(
+        (pl.col("source_id") + "#" + pl.col("chunk_index").cast(pl.String)).alias("unit_id"),
+        pl.lit(kind).alias("kind"),
+    ).select(
+        "unit_id",
+        "source_id",
+        "kind",
+        "chunk_index",
+        "n_chunks",
+        "unit_tokens",
+        pl.exclude("unit_id", "source_id", "kind", "chunk_index", "n_chunks", "unit_tokens"),
+    )
+
+
+@task(name="chunk", task_run_name="chunk-{job.name}")
+def chunk_task(job: JobSpec, loaded: dict, work_dir: str) -> dict:
+    c = job.chunk
+    parts = [
+        chunk_units(
+            pl.read_parquet(loaded["sources"]),
+            max_tokens=c.max_tokens,
+            overlap=c.overlap_tokens,
+            mode=c.mode,
+            encoding=c.encoding,
+        )
+    ]
+    if loaded.get("eval"):
+        gold = [f for f in job.output_schema.get("properties", {})]
+        evals = pl.read_parquet(loaded["eval"])
+        evals = evals.drop([g for g in gold if g in evals.columns and g not in job.input.columns])
+        parts.append(
+            chunk_units(
+                evals,
+                max_tokens=c.max_tokens,
+                overlap=c.overlap_tokens,
+                mode="truncate",
+                encoding=c.encoding,
+                kind="eval",
+            )
+        )
+    units = pl.concat(parts, how="diagonal_relaxed")
+    path = Path(work_dir) / "units.parquet"
+    units.write_parquet(path)
+    return {"units": str(path), "n_units": units.filter(pl.col("kind") == "row").height}

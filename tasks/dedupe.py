@@ -1,0 +1,107 @@
+"""dedupe: units → unique request keys; identical units are asked once and fanned out.
+
+key = sha256(prompt fingerprint, normalised rendered user message). The fingerprint covers the
+system prompt, examples, schema, model and parameters, so any change makes new keys. Keys that an
+earlier run already answered are cache hits; keys sitting in a live batch are attached, not resent.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import duckdb
+import polars as pl
+from prefect import task
+
+from lowtide.jobspec import JobSpec
+from lowtide.store.state import Store
+
+CUSTOM_ID_VERSION = "lt1"
+"""Version of the custom_id recipe. Changing the recipe orphans in-flight batches: bump it."""
+
+
+def render_user(units: pl.DataFrame, template: str) -> pl.Expr:
+    """The user message for each unit, rendered column-wise from the template."""
+    parts: list[pl.Expr] = []
+    for literal, field, _, _ in string.Formatter().parse(template):
+        if literal:
+            parts.append(pl.lit(literal))
+        if field:
+            parts.append(pl.col(field).cast(pl.String).fill_null(""))
+    return pl.concat_str(parts) if parts else pl.lit("")
+
+
+def normalise(expr: pl.Expr) -> pl.Expr:
+    """Case and whitespace do not change what is asked: fold both before hashing."""
+    return (
+        expr.str.to_lowercase()
+        .str.replace_all(r"\s{2,}|[\t\n\r\f\v]", " ")
+        .str.replace_all(r" {2,}", " ")
+        .str.strip_chars()
+    )
+
+
+def request_keys(units: pl.DataFrame, template: str, fingerprint: str) -> pl.DataFrame:
+    """Add `user` (the rendered message), `request_key` and `custom_id` to every unit."""
+    framed = units.with_columns(render_user(units, template).alias("user")).with_columns(
+        (pl.lit(fingerprint + "\x1f") + normalise(pl.col("user"))).alias("_material")
+    )
+    con = duckdb.connect()
+    try:
+        con.register("framed", framed.select("_material"))
+        keys = con.sql("SELECT sha256(_material) AS k FROM framed").to_arrow_table().column("k")
+    finally:
+        con.close()
+    return (
+        framed.drop("_material")
+        .with_columns(pl.Series("request_key", keys).cast(pl.String))
+        .with_columns(
+            (pl.lit(CUSTOM_ID_VERSION + "_") + pl.col("request_key").str.slice(0, 48)).alias(
+                "custom_id"
+            )
+        )
+    )
+
+
+def unique_requests(keyed: pl.DataFrame) -> pl.DataFrame:
+    """One row per request key, carrying the first unit's text (input order is kept)."""
+    sendable = keyed.filter(pl.col("text").str.len_bytes() > 0)
+    return sendable.unique(subset="custom_id", keep="first", maintain_order=True).select(
+        "custom_id", "request_key", "user", "unit_tokens"
+    )
+
+
+@task(name="dedupe", task_run_name="dedupe-{job.name}")
+def dedupe_task(job: JobSpec, chunked: dict, work_dir: str, state_path: str, run_id: str) -> dict:
+    units = pl.read_parquet(chunked["units"])
+    keyed = request_keys(units, job.prompt.user_template, job.prompt_fingerprint())
+    # empty units have no request: they end as failed rows with a reason
+    keyed = keyed.with_columns(
+        pl.when(pl.col("text").str.len_bytes() > 0)
+        .then(pl.col("custom_id"))
+        .otherwise(pl.lit(""))
+        .alias("custom_id")
+    )
+    uniq = unique_requests(keyed)
+    store = Store(state_path)
+    known = store.known_outcomes(uniq["custom_id"])
+    uniq = uniq.join(known, on="custom_id", how="left")
+    cached = uniq.filter(pl.col("answered"))
+    to_send = uniq.filter(~pl.col("answered") & ~pl.col("in_flight"))
+    keyed = keyed.with_columns(
+        pl.col("custom_id").is_in(cached["custom_id"].implode()).alias("cache_hit")
+    )
+    store.save_units(run_id, keyed)
+    path = Path(work_dir) / "to_send.parquet"
+    to_send.select("custom_id", "request_key", "user", "unit_tokens").write_parquet(path)
+    row_units = keyed.filter(pl.col("kind") == "row")
+    return {
+        "to_send": str(path),
+        "unique_requests": uniq.height,
+        "unique_row_requests": row_units.filter(pl.col("custom_id") != "")["custom_id"].n_unique(),
+        "cache_hits": cached.height,
+        "attached": uniq.filter(~pl.col("answered") & pl.col("in_flight")).height,
+        "n_to_send": to_send.height,
+        "row_units": row_units.height,
+    }

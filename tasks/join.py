@@ -1,0 +1,83 @@
+"""join: provider results (any order) → one row per submitted request, by custom_id only.
+
+Requests the provider never answered for (a batch that failed validation, a lost line) become
+`missing` with the provider's reason, so nothing silently disappears.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import polars as pl
+from prefect import task
+
+from lowtide.backends import make_backend
+from lowtide.backends.base import RESULT_SCHEMA, BatchState, BatchStatus, RequestStatus
+from lowtide.crashpoints import crash_point
+from lowtide.store.state import Store
+from tasks.submit import _transient
+
+
+def join_results(
+    members: pl.DataFrame, returned: pl.DataFrame, missing_reason: str
+) -> pl.DataFrame:
+    """Match results to the batch's requests by custom_id; unmatched requests become missing.
+
+    Results for ids that were not in the batch are dropped; a repeated id keeps its first line.
+    """
+    returned = returned.unique(subset="custom_id", keep="first", maintain_order=True)
+    joined = members.join(returned, on="custom_id", how="left")
+    return joined.with_columns(
+        pl.col("status").fill_null(pl.lit("missing")),
+        pl.when(pl.col("status").is_null())
+        .then(pl.lit(missing_reason))
+        .otherwise(pl.col("error"))
+        .alias("error"),
+    ).select(list(RESULT_SCHEMA))
+
+
+def _missing_reason(batch: dict) -> str:
+    if batch["status"] == BatchStatus.FAILED.value and batch["errors"]:
+        errors = orjson.loads(batch["errors"])
+        shown = "; ".join(
+            f"line {e.get('line')}: {e.get('code')}: {e.get('message')}" for e in errors[:3]
+        )
+        return f"batch failed validation at the provider: {shown}"
+    return f"no result returned by the provider for batch {batch['provider_batch_id']}"
+
+
+@task(
+    name="join",
+    task_run_name="join-{batch_id}",
+    retries=3,
+    retry_delay_seconds=[2, 4, 8],
+    retry_condition_fn=_transient,
+)
+def join_task(
+    batch_id: str, state_path: str, backend_name: str, emulator_url: str | None, work_dir: str
+) -> dict:
+    """Download an ended batch's results and write them, joined, to a parquet file."""
+    store = Store(state_path)
+    batch = store.query("SELECT * FROM batches WHERE batch_id = ?", [batch_id]).row(0, named=True)
+    backend = make_backend(backend_name, emulator_url=emulator_url)
+    returned = pl.DataFrame(schema=RESULT_SCHEMA)
+    if batch["output_file_id"] or batch["error_file_id"]:
+        state = BatchState(
+            status=BatchStatus(batch["status"]),
+            provider_status=batch["provider_status"] or "",
+            output_file_id=batch["output_file_id"],
+            error_file_id=batch["error_file_id"],
+        )
+        returned = backend.results(state)
+    crash_point("during_download")
+    joined = join_results(store.batch_members(batch_id), returned, _missing_reason(batch))
+    path = Path(work_dir) / f"results-{batch_id}.parquet"
+    joined.write_parquet(path)
+    counts = joined["status"].value_counts()
+    return {
+        "batch_id": batch_id,
+        "results": str(path),
+        "counts": dict(zip(counts["status"].to_list(), counts["count"].to_list(), strict=True)),
+        "answered": int((joined["status"] == RequestStatus.ANSWERED.value).sum()),
+    }

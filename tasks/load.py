@@ -1,0 +1,134 @@
+"""load: input file or DuckDB table → frame of (source_id, text, extra columns)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+import polars as pl
+from prefect import task
+
+from lowtide.jobspec import JobSpec
+
+
+class InputError(ValueError):
+    """Input that cannot be used; the message names the file, the column or row, and the fix."""
+
+
+def read_table(path: str, database: str | None = None) -> pl.DataFrame:
+    """Read csv, parquet, jsonl/ndjson, or `duckdb:TABLE` from `database`."""
+    if path.startswith("duckdb:"):
+        table = path.removeprefix("duckdb:")
+        if not database:
+            raise InputError(f"{path}: set [input] database to the DuckDB file holding {table}")
+        if not Path(database).is_file():
+            raise InputError(f"{database}: DuckDB file not found")
+        try:
+            con = duckdb.connect(database, read_only=True)
+        except duckdb.Error as e:
+            raise InputError(f"{database}: cannot open DuckDB file: {e}") from e
+        try:
+            return con.sql(f'SELECT * FROM "{table}"').pl()
+        except duckdb.CatalogException as e:
+            raise InputError(f"{database}: no table {table!r}") from e
+        finally:
+            con.close()
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"{path}: input file not found")
+    suffix = p.suffix.lower()
+    try:
+        if suffix == ".csv":
+            return pl.read_csv(p, infer_schema_length=10_000)
+        if suffix == ".parquet":
+            return pl.read_parquet(p)
+        if suffix in (".jsonl", ".ndjson"):
+            return pl.read_ndjson(p, infer_schema_length=10_000)
+    except (pl.exceptions.ComputeError, pl.exceptions.PolarsError, OSError) as e:
+        raise InputError(f"{path}: cannot read as {suffix[1:]}: {e}") from e
+    raise InputError(
+        f"{path}: unsupported input type {suffix!r}; use csv, parquet, jsonl or duckdb:TABLE"
+    )
+
+
+def normalise_input(
+    frame: pl.DataFrame, *, where: str, id_column: str, text_column: str, columns: list[str]
+) -> pl.DataFrame:
+    """Check the columns and ids, and return (source_id, text, *columns) with string ids."""
+    missing = [c for c in [id_column, text_column, *columns] if c not in frame.columns]
+    if missing:
+        raise InputError(
+            f"{where}: missing column(s) {missing}; the file has {frame.columns}. "
+            "Fix the column names in the job file's [input] section."
+        )
+    out = frame.select(
+        pl.col(id_column).cast(pl.String).alias("source_id"),
+        pl.col(text_column).cast(pl.String).alias("text"),
+        *[pl.col(c) for c in columns if c not in (id_column, text_column)],
+    )
+    null_ids = out.with_row_index("row").filter(pl.col("source_id").is_null())
+    if null_ids.height:
+        rows = (null_ids["row"] + 2).head(5).to_list()  # +2: 1-based, after a header line
+        raise InputError(
+            f"{where}: {null_ids.height} row(s) have no {id_column!r} (first at data row(s) {rows}); "
+            "every row needs an id"
+        )
+    dup = out.group_by("source_id").len().filter(pl.col("len") > 1)
+    if dup.height:
+        examples = dup["source_id"].head(5).to_list()
+        raise InputError(
+            f"{where}: {dup.height} duplicate value(s) in id column {id_column!r}, e.g. {examples}; "
+            "ids must be unique"
+        )
+    return out
+
+
+def load_input(job: JobSpec) -> pl.DataFrame:
+    spec = job.input
+    path = job.resolve(spec.path) or ""
+    frame = read_table(path, job.resolve(spec.database))
+    return normalise_input(
+        frame,
+        where=path,
+        id_column=spec.id_column,
+        text_column=spec.text_column,
+        columns=spec.columns,
+    )
+
+
+def load_eval_set(job: JobSpec) -> pl.DataFrame | None:
+    """The gold set: (source_id, text, template columns, gold fields); None if the job has none."""
+    if not job.qa.eval_set:
+        return None
+    path = job.resolve(job.qa.eval_set) or ""
+    frame = read_table(path)
+    template_cols = [c for c in job.prompt.template_fields() if c != "text"]
+    gold = [f for f in job.output_schema.get("properties", {}) if f in frame.columns]
+    if not gold:
+        raise InputError(
+            f"{path}: the eval set has none of the output fields "
+            f"{list(job.output_schema.get('properties', {}))} as gold columns"
+        )
+    out = normalise_input(
+        frame,
+        where=path,
+        id_column=job.qa.eval_id_column,
+        text_column=job.input.text_column,
+        columns=template_cols + [g for g in gold if g not in template_cols],
+    )
+    return out
+
+
+@task(name="load", task_run_name="load-{job.name}")
+def load_task(job: JobSpec, work_dir: str) -> dict:
+    """Read the input and the eval set into parquet files under the run's work dir."""
+    rows = load_input(job)
+    Path(work_dir).mkdir(parents=True, exist_ok=True)
+    rows.write_parquet(Path(work_dir) / "sources.parquet")
+    out = {"sources": str(Path(work_dir) / "sources.parquet"), "rows": rows.height, "eval": None}
+    evals = load_eval_set(job)
+    if evals is not None:
+        evals.write_parquet(Path(work_dir) / "eval.parquet")
+        out["eval"] = str(Path(work_dir) / "eval.parquet")
+        out["eval_rows"] = evals.height
+    return out

@@ -1,0 +1,115 @@
+"""parse/repair: raw answer text → validated output, or a failed row with the reason.
+
+Ladder: strict JSON parse + schema validation → `ok`; else json-repair (code fences, trailing
+commas, quotes, cut-off text) and validate again → `repaired`; else `parse_failed` with the parse
+or validation error. Requests the provider did not answer keep their provider outcome.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import json_repair
+import orjson
+import polars as pl
+from jsonschema import Draft202012Validator
+from prefect import task
+
+from lowtide.store.state import Store
+
+_PROVIDER_OUTCOME = {
+    "provider_error": "provider_error",
+    "expired": "expired",
+    "cancelled": "cancelled",
+    "missing": "missing",
+}
+
+
+def _first_error(validator: Draft202012Validator, value: Any) -> str | None:
+    err = next(iter(validator.iter_errors(value)), None)
+    if err is None:
+        return None
+    where = "/".join(str(p) for p in err.absolute_path) or "(root)"
+    return f"schema: at {where}: {err.message}"
+
+
+def parse_one(
+    raw: str | None, finish_reason: str | None, validator: Draft202012Validator
+) -> tuple[str, str | None, str | None]:
+    """(outcome, output JSON or None, error or None) for one answer text."""
+    if raw is None:
+        return "parse_failed", None, "empty answer"
+    try:
+        value = orjson.loads(raw)
+        problem = _first_error(validator, value)
+        if problem is None:
+            return "ok", orjson.dumps(value).decode(), None
+    except orjson.JSONDecodeError as e:
+        problem = f"json: {e}"
+    repaired = json_repair.loads(raw)
+    if repaired not in ("", None) and _first_error(validator, repaired) is None:
+        return "repaired", orjson.dumps(repaired).decode(), None
+    if finish_reason == "length":
+        problem = f"truncated at max_tokens ({problem})"
+    return "parse_failed", None, problem
+
+
+def parse_results(joined: pl.DataFrame, schema: dict[str, Any]) -> pl.DataFrame:
+    """Add `outcome` and `output` to joined results; the error column explains every failure."""
+    validator = Draft202012Validator(schema)
+    answered = joined["status"] == "answered"
+    outcomes: list[str] = []
+    outputs: list[str | None] = []
+    errors: list[str | None] = []
+    for is_answer, status, raw, finish, err in zip(
+        answered.to_list(),
+        joined["status"].to_list(),
+        joined["raw_text"].to_list(),
+        joined["finish_reason"].to_list(),
+        joined["error"].to_list(),
+        strict=True,
+    ):
+        if is_answer:
+            outcome, output, problem = parse_one(raw, finish, validator)
+            if outcome == "parse_failed" and err:  # e.g. a refusal
+                problem = f"{err}; {problem}"
+        else:
+            outcome, output, problem = _PROVIDER_OUTCOME.get(status, "missing"), None, err
+        outcomes.append(outcome)
+        outputs.append(output)
+        errors.append(problem)
+    return joined.with_columns(
+        pl.Series("outcome", outcomes, dtype=pl.String),
+        pl.Series("output", outputs, dtype=pl.String),
+        pl.Series("error", errors, dtype=pl.String),
+    )
+
+
+@task(name="parse", task_run_name="parse-{batch_id}")
+def parse_task(joined: dict, batch_id: str, schema: dict, state_path: str, run_id: str) -> dict:
+    """Validate a batch's answers and store them (upsert by custom_id); mark the batch collected."""
+    frame = parse_results(pl.read_parquet(joined["results"]), schema)
+    store = Store(state_path)
+    attempts = store.query(
+        "SELECT custom_id, count(*)::INTEGER AS attempts FROM batch_requests "
+        "WHERE custom_id IN (SELECT custom_id FROM batch_requests WHERE batch_id = ?) GROUP BY 1",
+        [batch_id],
+    )
+    rows = frame.join(attempts, on="custom_id", how="left").select(
+        "custom_id",
+        pl.lit(batch_id).alias("batch_id"),
+        pl.lit(run_id).alias("run_id"),
+        "outcome",
+        "output",
+        "raw_text",
+        "finish_reason",
+        "error",
+        "input_tokens",
+        "cached_tokens",
+        "output_tokens",
+        pl.col("attempts").fill_null(1),
+    )
+    store.upsert_results(rows)
+    store.update_batch(batch_id, collected=True)
+    counts = frame["outcome"].value_counts()
+    return dict(zip(counts["outcome"].to_list(), counts["count"].to_list(), strict=True))
