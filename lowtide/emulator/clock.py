@@ -18,7 +18,8 @@ class Clock:
         self._lock = threading.Lock()
         self._scale = float(time_scale)
         self._anchor_real = time.monotonic()
-        self._anchor_sim = time.time() if start is None else float(start)
+        # Start on a whole second so that unix-int timestamps are exact offsets in tests.
+        self._anchor_sim = float(int(time.time())) if start is None else float(start)
 
     @property
     def time_scale(self) -> float:

@@ -280,7 +280,7 @@ def _live_file(state: EmulatorState, file_id: str, now: float) -> StoredFile:
 
 
 @router.get("/files")
-async def list_files(
+def list_files(
     request: Request,
     purpose: str | None = None,
     limit: int = 10_000,
@@ -292,20 +292,16 @@ async def list_files(
         raise ApiError(400, "'limit' must be between 1 and 10000.", param="limit")
     if order not in ("asc", "desc"):
         raise ApiError(400, "'order' must be 'asc' or 'desc'.", param="order")
-
-    def run() -> Response:
-        with state.lock:
-            now = state.tick()
-            files = sorted(
-                (f for f in state.files.values() if f.alive(now)),
-                key=lambda f: f.seq,
-                reverse=order == "desc",
-            )
-            if purpose is not None:
-                files = [f for f in files if f.purpose == purpose]
-            return _json(_page([f.to_json() for f in files], after, limit))
-
-    return await run_in_threadpool(run)
+    with state.lock:
+        now = state.tick()
+        files = sorted(
+            (f for f in state.files.values() if f.alive(now)),
+            key=lambda f: f.seq,
+            reverse=order == "desc",
+        )
+        if purpose is not None:
+            files = [f for f in files if f.purpose == purpose]
+        return _json(_page([f.to_json() for f in files], after, limit))
 
 
 def _page(items: list[dict[str, Any]], after: str | None, limit: int) -> dict[str, Any]:
@@ -325,7 +321,7 @@ def _page(items: list[dict[str, Any]], after: str | None, limit: int) -> dict[st
 
 
 @router.get("/files/{file_id}")
-async def retrieve_file(request: Request, file_id: str) -> Response:
+def retrieve_file(request: Request, file_id: str) -> Response:
     state = _state(request)
     with state.lock:
         now = state.tick()
@@ -333,7 +329,7 @@ async def retrieve_file(request: Request, file_id: str) -> Response:
 
 
 @router.delete("/files/{file_id}")
-async def delete_file(request: Request, file_id: str) -> Response:
+def delete_file(request: Request, file_id: str) -> Response:
     state = _state(request)
     with state.lock:
         now = state.tick()
@@ -343,15 +339,11 @@ async def delete_file(request: Request, file_id: str) -> Response:
 
 
 @router.get("/files/{file_id}/content")
-async def file_content(request: Request, file_id: str) -> Response:
+def file_content(request: Request, file_id: str) -> Response:
     state = _state(request)
-
-    def run() -> bytes:
-        with state.lock:
-            now = state.tick()
-            return _live_file(state, file_id, now).content
-
-    content = await run_in_threadpool(run)
+    with state.lock:
+        now = state.tick()
+        content = _live_file(state, file_id, now).content
     # Raw bytes whatever the Accept header says (the SDK asks for application/binary).
     return Response(content, media_type="application/octet-stream")
 
@@ -600,18 +592,14 @@ def _validate_input(
 
 
 @router.get("/batches")
-async def list_batches(request: Request, limit: int = 20, after: str | None = None) -> Response:
+def list_batches(request: Request, limit: int = 20, after: str | None = None) -> Response:
     state = _state(request)
     if not 1 <= limit <= 100:
         raise ApiError(400, "'limit' must be between 1 and 100.", param="limit")
-
-    def run() -> Response:
-        with state.lock:
-            state.tick()
-            batches = sorted(state.batches.values(), key=lambda b: b.seq, reverse=True)
-            return _json(_page([b.to_json() for b in batches], after, limit))
-
-    return await run_in_threadpool(run)
+    with state.lock:
+        state.tick()
+        batches = sorted(state.batches.values(), key=lambda b: b.seq, reverse=True)
+        return _json(_page([b.to_json() for b in batches], after, limit))
 
 
 def _get_batch(state: EmulatorState, batch_id: str) -> OpenAIBatch:
@@ -622,37 +610,28 @@ def _get_batch(state: EmulatorState, batch_id: str) -> OpenAIBatch:
 
 
 @router.get("/batches/{batch_id}")
-async def retrieve_batch(request: Request, batch_id: str) -> Response:
+def retrieve_batch(request: Request, batch_id: str) -> Response:
     state = _state(request)
-
-    def run() -> Response:
-        with state.lock:
-            state.tick()
-            return _json(_get_batch(state, batch_id).to_json())
-
-    return await run_in_threadpool(run)
+    with state.lock:
+        state.tick()
+        return _json(_get_batch(state, batch_id).to_json())
 
 
 @router.post("/batches/{batch_id}/cancel")
-async def cancel_batch(request: Request, batch_id: str) -> Response:
+def cancel_batch(request: Request, batch_id: str) -> Response:
     state = _state(request)
-
-    def run() -> Response:
-        with state.lock:
-            now = state.tick()
-            batch = _get_batch(state, batch_id)
-            if batch.status in TERMINAL - {"cancelled"}:
-                raise ApiError(
-                    400,
-                    f"Cannot cancel a batch with status '{batch.status}'.",
-                    code="invalid_state",
-                )
-            if batch.status not in ("cancelling", "cancelled"):
-                batch.status = "cancelling"
-                batch.times["cancelling"] = now
-            return _json(batch.to_json())
-
-    return await run_in_threadpool(run)
+    with state.lock:
+        now = state.tick()
+        batch = _get_batch(state, batch_id)
+        if batch.status in TERMINAL - {"cancelled"}:
+            # Undocumented upstream; 400 rather than 409 because the SDKs retry 409.
+            raise ApiError(
+                400, f"Cannot cancel a batch with status '{batch.status}'.", code="invalid_state"
+            )
+        if batch.status not in ("cancelling", "cancelled"):
+            batch.status = "cancelling"
+            batch.times["cancelling"] = now
+        return _json(batch.to_json())
 
 
 # --------------------------------------------------------------------------- lifecycle
@@ -845,7 +824,9 @@ def _close(
     if not admitted:
         return
     expires_s = batch.output_expires_s or state.config.file_retention_s
-    rng = random.Random(f"{state.config.seed}|{batch.id}")
+    # Seeded by the request ids, not the random batch id, so a rerun reproduces the order.
+    ids_digest = hashlib.sha256("\n".join(ln.custom_id for ln in batch.lines).encode()).hexdigest()
+    rng = random.Random(f"{state.config.seed}|{ids_digest}")
     for kind, lines in (("output", batch.output_lines), ("error", batch.error_lines)):
         if not lines and state.config.omit_empty_files:
             continue
