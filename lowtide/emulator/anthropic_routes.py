@@ -1,22 +1,564 @@
-"""Anthropic Message Batches and Messages (filled in by the next commit)."""
+"""Anthropic Message Batches and Messages, as the official SDK sees them.
+
+Like the OpenAI side, a batch's life is derived from the simulated clock: request i finishes
+`(i + 1) * batch_seconds_per_request` after creation and is executed exactly once, the first
+time anyone looks after that. Create-time checks are synchronous (custom_id pattern, length,
+uniqueness, size limits); bad `params` surface later as `errored` results. Request counts stay
+all-`processing` until the batch ends, and results are served from an absolute URL on the
+emulator's own host, as the SDK follows `results_url` verbatim.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import hashlib
+import random
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter
+import orjson
+from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import Response
+
+from lowtide.emulator import model as emodel
+from lowtide.emulator.faults import ApiError, anthropic_error_type
 
 if TYPE_CHECKING:
     from lowtide.emulator.app import EmulatorState
 
 router = APIRouter()
 
+CUSTOM_ID_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+RESULT_TYPES = ("succeeded", "errored", "canceled", "expired")
+_ONE_HOUR_TTL_S = 3600.0
+
+
+@dataclass
+class BatchRequest:
+    custom_id: str
+    params: dict[str, Any]
+
 
 @dataclass
 class MessageBatch:
     id: str
+    seq: int
+    created_at: float
+    expires_at: float
+    per_request_s: float
+    finalizing_s: float
+    cancel_drain_s: float
+    archive_after_s: float
+    requests: list[BatchRequest]
+    status: str = "in_progress"
+    cancel_initiated_at: float | None = None
+    ended_at: float | None = None
+    executed: int = 0
+    results: list[dict[str, Any]] = field(default_factory=list)
+    results_jsonl: bytes = b""
+    deleted: bool = False
+
+    def finish_time(self, index: int) -> float:
+        return self.created_at + (index + 1) * self.per_request_s
+
+    def archived(self, now: float) -> bool:
+        return now >= self.created_at + self.archive_after_s
+
+    def to_json(self, base_url: str, now: float) -> dict[str, Any]:
+        ended = self.status == "ended"
+        counts = dict.fromkeys(("processing", *RESULT_TYPES), 0)
+        if ended:
+            counts.update(Counter(r["result"]["type"] for r in self.results))
+        else:
+            # Only `processing` moves before the end, however many requests already ran.
+            counts["processing"] = len(self.requests)
+        archived = self.archived(now)
+        return {
+            "id": self.id,
+            "type": "message_batch",
+            "processing_status": self.status,
+            "request_counts": counts,
+            "ended_at": _rfc3339(self.ended_at),
+            "created_at": _rfc3339(self.created_at),
+            "expires_at": _rfc3339(self.expires_at),
+            "archived_at": _rfc3339(self.created_at + self.archive_after_s) if archived else None,
+            "cancel_initiated_at": _rfc3339(self.cancel_initiated_at),
+            "results_url": f"{base_url}/v1/messages/batches/{self.id}/results" if ended else None,
+        }
+
+
+def _rfc3339(value: float | None) -> str | None:
+    if value is None:
+        return None
+    stamp = datetime.fromtimestamp(value, tz=UTC).isoformat(timespec="microseconds")
+    return stamp.replace("+00:00", "Z")
+
+
+def _state(request: Request) -> EmulatorState:
+    return request.app.state.emulator
+
+
+def _base_url(request: Request) -> str:
+    return str(request.base_url).rstrip("/")
+
+
+def _json(body: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+
+
+def _parse_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw or b"{}")
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"Request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ApiError(400, "Request body must be a JSON object.")
+    return body
+
+
+# --------------------------------------------------------------------------- batches
+
+
+@router.post("/messages/batches")
+async def create_batch(request: Request) -> Response:
+    state = _state(request)
+    limit = state.config.anthropic_max_body_bytes
+    if int(request.headers.get("content-length") or 0) > limit:
+        raise _too_large(limit)
+    raw = await request.body()
+    if len(raw) > limit:
+        raise _too_large(limit)
+    body = _parse_body(raw)
+    return await run_in_threadpool(_create_batch, state, body, _base_url(request))
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"Request exceeds the maximum allowed size of {limit} bytes.")
+
+
+def _create_batch(state: EmulatorState, body: dict[str, Any], base_url: str) -> Response:
+    requests = body.get("requests")
+    if not isinstance(requests, list) or not requests:
+        raise ApiError(400, "requests: Field required (a non-empty list of requests).")
+    config = state.config
+    if len(requests) > config.anthropic_max_requests:
+        raise ApiError(
+            400,
+            f"requests: List should have at most {config.anthropic_max_requests} items "
+            f"after validation, not {len(requests)}",
+        )
+    parsed: list[BatchRequest] = []
+    seen: set[str] = set()
+    for i, item in enumerate(requests):
+        if not isinstance(item, dict):
+            raise ApiError(400, f"requests.{i}: Input should be an object")
+        custom_id = item.get("custom_id")
+        if not isinstance(custom_id, str):
+            raise ApiError(400, f"requests.{i}.custom_id: Field required")
+        if len(custom_id) > 64:
+            raise ApiError(400, f"requests.{i}.custom_id: String should have at most 64 characters")
+        if not CUSTOM_ID_RE.match(custom_id):
+            raise ApiError(
+                400,
+                f"requests.{i}.custom_id: String should match pattern '^[a-zA-Z0-9_-]{{1,64}}$'",
+            )
+        if custom_id in seen:
+            raise ApiError(
+                400,
+                f"requests.{i}.custom_id: Duplicate custom_id {custom_id!r}; "
+                "custom_id must be unique within a batch.",
+            )
+        seen.add(custom_id)
+        params = item.get("params")
+        if not isinstance(params, dict):
+            raise ApiError(400, f"requests.{i}.params: Field required")
+        parsed.append(BatchRequest(custom_id, params))
+    with state.lock:
+        now = state.tick()
+        batch = MessageBatch(
+            id=state.new_id("msgbatch_01", 12),
+            seq=state.next_seq(),
+            created_at=now,
+            expires_at=now + config.completion_window_s,
+            per_request_s=config.batch_seconds_per_request,
+            finalizing_s=config.finalizing_s + state.faults.extra_finalizing_s(),
+            cancel_drain_s=config.cancel_drain_s,
+            archive_after_s=config.archive_after_s,
+            requests=parsed,
+        )
+        state.message_batches[batch.id] = batch
+        return _json(batch.to_json(base_url, now))
+
+
+def _get_batch(state: EmulatorState, batch_id: str) -> MessageBatch:
+    batch = state.message_batches.get(batch_id)
+    if batch is None or batch.deleted:
+        raise ApiError(404, f"Message batch {batch_id!r} not found.")
+    return batch
+
+
+@router.get("/messages/batches")
+def list_batches(
+    request: Request, limit: int = 20, after_id: str | None = None, before_id: str | None = None
+) -> Response:
+    state = _state(request)
+    if not 1 <= limit <= 1000:
+        raise ApiError(400, "limit: Input should be between 1 and 1000")
+    with state.lock:
+        now = state.tick()
+        batches = sorted(
+            (b for b in state.message_batches.values() if not b.deleted),
+            key=lambda b: b.seq,
+            reverse=True,  # newest first
+        )
+        ids = [b.id for b in batches]
+        if before_id is not None:
+            end = ids.index(before_id) if before_id in ids else 0
+            start = max(0, end - limit)
+            page, has_more = batches[start:end], start > 0
+        else:
+            start = (
+                ids.index(after_id) + 1
+                if after_id in ids
+                else (0 if after_id is None else len(ids))
+            )
+            page, has_more = batches[start : start + limit], start + limit < len(batches)
+        base = _base_url(request)
+        return _json(
+            {
+                "data": [b.to_json(base, now) for b in page],
+                "has_more": has_more,
+                "first_id": page[0].id if page else None,
+                "last_id": page[-1].id if page else None,
+            }
+        )
+
+
+@router.get("/messages/batches/{batch_id}")
+def retrieve_batch(request: Request, batch_id: str) -> Response:
+    state = _state(request)
+    with state.lock:
+        now = state.tick()
+        return _json(_get_batch(state, batch_id).to_json(_base_url(request), now))
+
+
+@router.post("/messages/batches/{batch_id}/cancel")
+def cancel_batch(request: Request, batch_id: str) -> Response:
+    state = _state(request)
+    with state.lock:
+        now = state.tick()
+        batch = _get_batch(state, batch_id)
+        if batch.status == "ended":
+            raise ApiError(
+                400, f"Message batch {batch_id!r} has already ended and cannot be canceled."
+            )
+        if batch.status == "in_progress":
+            batch.status = "canceling"
+            batch.cancel_initiated_at = now
+        return _json(batch.to_json(_base_url(request), now))
+
+
+@router.delete("/messages/batches/{batch_id}")
+def delete_batch(request: Request, batch_id: str) -> Response:
+    state = _state(request)
+    with state.lock:
+        state.tick()
+        batch = _get_batch(state, batch_id)
+        if batch.status != "ended":
+            raise ApiError(
+                400,
+                f"Message batch {batch_id!r} is still {batch.status}; "
+                "cancel it and wait until it has ended before deleting it.",
+            )
+        batch.deleted = True
+        return _json({"id": batch.id, "type": "message_batch_deleted"})
+
+
+@router.get("/messages/batches/{batch_id}/results")
+def batch_results(request: Request, batch_id: str) -> Response:
+    state = _state(request)
+    with state.lock:
+        now = state.tick()
+        batch = _get_batch(state, batch_id)
+        if batch.status != "ended":
+            raise ApiError(
+                400, f"Message batch {batch_id!r} has not ended yet; results are not ready."
+            )
+        if batch.archived(now):
+            raise ApiError(404, f"Results of message batch {batch_id!r} have been archived.")
+        content = batch.results_jsonl
+    return Response(content, media_type="application/x-jsonl")
+
+
+# --------------------------------------------------------------------------- lifecycle
 
 
 def advance_all(state: EmulatorState, now: float) -> None:
     """Move every unfinished message batch to where the clock says it is."""
+    for batch in state.message_batches.values():
+        if batch.status != "ended":
+            _advance(state, batch, now)
+
+
+def _advance(state: EmulatorState, batch: MessageBatch, now: float) -> None:
+    if batch.status == "in_progress":
+        all_done = batch.created_at + len(batch.requests) * batch.per_request_s
+        if all_done > batch.expires_at:
+            _run_until(state, batch, min(now, batch.expires_at))
+            if now >= batch.expires_at:
+                _end(state, batch, batch.expires_at, "expired")
+            return
+        _run_until(state, batch, min(now, all_done))
+        if now >= all_done + batch.finalizing_s:
+            _end(state, batch, all_done + batch.finalizing_s, None)
+    elif batch.status == "canceling":
+        assert batch.cancel_initiated_at is not None
+        # Requests already running when the cancel came in may still finish.
+        limit = min(batch.cancel_initiated_at + batch.per_request_s, batch.expires_at)
+        _run_until(state, batch, min(now, limit))
+        done = batch.cancel_initiated_at + batch.cancel_drain_s
+        if now >= done:
+            _end(state, batch, done, "canceled")
+
+
+def _run_until(state: EmulatorState, batch: MessageBatch, until: float) -> None:
+    while batch.executed < len(batch.requests) and batch.finish_time(batch.executed) <= until:
+        _execute(state, batch, batch.executed)
+        batch.executed += 1
+
+
+def _execute(state: EmulatorState, batch: MessageBatch, index: int) -> None:
+    item = batch.requests[index]
+    at = batch.finish_time(index)
+    attempt = state.next_attempt("anthropic", item.custom_id)
+    try:
+        if _draws_error(state, item.custom_id, attempt):
+            raise ApiError(500, "Internal server error", type="api_error")
+        message = create_message(
+            state, item.params, at, kind="batch", batch_id=batch.id, custom_id=item.custom_id
+        )
+    except ApiError as err:
+        messages = item.params.get("messages")
+        state.ledger.record(
+            provider="anthropic",
+            kind="batch",
+            model=str(item.params.get("model")),
+            input_tokens=emodel.prompt_token_count(messages if isinstance(messages, list) else []),
+            output_tokens=0,
+            batch_id=batch.id,
+            custom_id=item.custom_id,
+            at=at,
+            billed=False,
+        )
+        result: dict[str, Any] = {
+            "type": "errored",
+            "error": {
+                "type": "error",
+                "error": {
+                    "type": err.type or anthropic_error_type(err.status),
+                    "message": err.message,
+                },
+                "request_id": state.new_id("req_011"),
+            },
+        }
+    else:
+        result = {"type": "succeeded", "message": message}
+    batch.results.append({"custom_id": item.custom_id, "result": result})
+
+
+def _draws_error(state: EmulatorState, custom_id: str, attempt: int) -> bool:
+    rate = state.config.error_rate
+    if rate <= 0:
+        return False
+    digest = hashlib.sha256(f"error|{state.config.seed}|{custom_id}|{attempt}".encode()).hexdigest()
+    return int(digest[:13], 16) / 16**13 < rate
+
+
+def _end(state: EmulatorState, batch: MessageBatch, at: float, not_run: str | None) -> None:
+    if not_run is not None:
+        for item in batch.requests[batch.executed :]:
+            batch.results.append({"custom_id": item.custom_id, "result": {"type": not_run}})
+        batch.executed = len(batch.requests)
+    batch.status, batch.ended_at = "ended", at
+    ordered = list(batch.results)
+    if state.config.shuffle_results:
+        digest = hashlib.sha256("\n".join(r.custom_id for r in batch.requests).encode()).hexdigest()
+        random.Random(f"{state.config.seed}|{digest}").shuffle(ordered)
+    # One line per result and no blank lines: the SDK's JSONL decoder fails on an empty line.
+    batch.results_jsonl = b"\n".join(orjson.dumps(r) for r in ordered) + b"\n"
+
+
+# --------------------------------------------------------------------------- messages
+
+
+@router.post("/messages")
+async def messages(request: Request) -> Response:
+    body = _parse_body(await request.body())
+    state = _state(request)
+
+    def run() -> Response:
+        with state.lock:
+            now = state.tick()
+            return _json(create_message(state, body, now, kind="realtime"))
+
+    return await run_in_threadpool(run)
+
+
+def create_message(
+    state: EmulatorState,
+    params: dict[str, Any],
+    at: float,
+    *,
+    kind: str,
+    batch_id: str | None = None,
+    custom_id: str | None = None,
+) -> dict[str, Any]:
+    """Execute one Messages request (recording it in the ledger); raises ApiError(400) for a
+    request the real API would reject."""
+    model_name = params.get("model")
+    if not isinstance(model_name, str) or not model_name:
+        raise ApiError(400, "model: Field required")
+    max_tokens = params.get("max_tokens")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
+        raise ApiError(400, "max_tokens: Field required")
+    if max_tokens < 1:
+        raise ApiError(400, "max_tokens: must be at least 1")
+    messages = params.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages: at least one message is required")
+    if params.get("stream"):
+        raise ApiError(400, "stream: the lowtide emulator does not stream; set stream=false")
+    schema, tool_name = _structured_output(params)
+    system_blocks = _system_blocks(params.get("system"))
+    system_text = "".join(block.get("text", "") for block in system_blocks) or None
+    config = state.config
+    result = emodel.answer(
+        messages,
+        schema=schema,
+        max_tokens=max_tokens,
+        model=model_name,
+        model_version=config.model_version,
+        malformed_rate=config.malformed_rate,
+        seed=config.seed,
+        system=system_text,
+    )
+    creation, read, ttl_kind = _prompt_cache(state, model_name, system_blocks, at)
+    input_tokens = max(0, result.prompt_tokens - creation - read)
+    state.ledger.record(
+        provider="anthropic",
+        kind=kind,
+        model=model_name,
+        input_tokens=input_tokens + creation + read,
+        cached_input_tokens=read,
+        output_tokens=result.completion_tokens,
+        batch_id=batch_id,
+        custom_id=custom_id,
+        at=at,
+    )
+    truncated = result.finish_reason == "length" or (tool_name is not None and result.broken)
+    if tool_name is not None:
+        tool_input = result.data if isinstance(result.data, dict) else {"value": result.data}
+        if truncated:
+            # A cut-off tool call arrives with only part of its input.
+            keys = list(tool_input)
+            tool_input = {k: tool_input[k] for k in keys[: len(keys) // 2]}
+        content: list[dict[str, Any]] = [
+            {
+                "type": "tool_use",
+                "id": state.new_id("toolu_01", 12),
+                "name": tool_name,
+                "input": tool_input,
+            }
+        ]
+        stop_reason = "max_tokens" if truncated else "tool_use"
+    else:
+        content = [{"type": "text", "text": result.text}]
+        stop_reason = "max_tokens" if truncated else "end_turn"
+    return {
+        "id": state.new_id("msg_01", 12),
+        "type": "message",
+        "role": "assistant",
+        "model": model_name,
+        "content": content,
+        "stop_reason": stop_reason,
+        "stop_sequence": None,
+        "usage": {
+            "input_tokens": input_tokens,
+            "cache_creation_input_tokens": creation,
+            "cache_read_input_tokens": read,
+            "cache_creation": {
+                "ephemeral_5m_input_tokens": creation if ttl_kind == "5m" else 0,
+                "ephemeral_1h_input_tokens": creation if ttl_kind == "1h" else 0,
+            },
+            "output_tokens": result.completion_tokens,
+            "service_tier": "batch" if kind == "batch" else "standard",
+        },
+    }
+
+
+def _structured_output(params: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    """(schema, forced tool name) from `output_config.format` or a forced `tool_choice`."""
+    tool_choice = params.get("tool_choice")
+    tools = params.get("tools") or []
+    if isinstance(tool_choice, dict) and tool_choice.get("type") in ("tool", "any"):
+        thinking = params.get("thinking")
+        if isinstance(thinking, dict) and thinking.get("type") == "enabled":
+            raise ApiError(
+                400, "tool_choice: forcing tool use is not compatible with extended thinking"
+            )
+        by_name = {t.get("name"): t for t in tools if isinstance(t, dict)}
+        name = (
+            tool_choice.get("name") if tool_choice["type"] == "tool" else next(iter(by_name), None)
+        )
+        tool = by_name.get(name)
+        if tool is None:
+            raise ApiError(400, f"tool_choice: tool {name!r} is not among the provided tools")
+        schema = tool.get("input_schema")
+        if not isinstance(schema, dict):
+            raise ApiError(400, f"tools.{name}.input_schema: Field required")
+        return schema, name
+    output_config = params.get("output_config")
+    if isinstance(output_config, dict) and isinstance(output_config.get("format"), dict):
+        fmt = output_config["format"]
+        if fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+            raise ApiError(
+                400, "output_config.format: expected {type: 'json_schema', schema: {...}}"
+            )
+        return fmt["schema"], None
+    return None, None
+
+
+def _system_blocks(system: Any) -> list[dict[str, Any]]:
+    if system is None:
+        return []
+    if isinstance(system, str):
+        return [{"type": "text", "text": system}]
+    if isinstance(system, list):
+        return [b for b in system if isinstance(b, dict)]
+    raise ApiError(400, "system: Input should be a string or a list of text blocks")
+
+
+def _prompt_cache(
+    state: EmulatorState, model_name: str, system_blocks: list[dict[str, Any]], at: float
+) -> tuple[int, int, str | None]:
+    """(cache_creation, cache_read, ttl kind) for the system prefix up to the last
+    `cache_control` breakpoint: the first request writes the cache, later ones read it."""
+    last = max((i for i, b in enumerate(system_blocks) if b.get("cache_control")), default=None)
+    if last is None:
+        return 0, 0, None
+    prefix = "".join(b.get("text", "") for b in system_blocks[: last + 1])
+    tokens = emodel.prompt_token_count([], prefix) - 3  # the prefix alone, without the primer
+    if tokens < state.config.anthropic_cache_min_tokens:
+        return 0, 0, None  # too short to cache: silently not cached, like the real API
+    control = system_blocks[last]["cache_control"]
+    one_hour = isinstance(control, dict) and control.get("ttl") == "1h"
+    ttl = _ONE_HOUR_TTL_S if one_hour else state.config.cache_ttl_s
+    key = "anthropic|" + model_name + "|" + hashlib.sha256(prefix.encode()).hexdigest()
+    previous = state.prompt_cache.get(key)
+    state.prompt_cache[key] = at
+    if previous is not None and at - previous <= ttl:
+        return 0, tokens, None
+    return tokens, 0, "1h" if one_hour else "5m"

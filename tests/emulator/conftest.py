@@ -140,3 +140,36 @@ def upload_batch(client: openai.OpenAI, n: int = 4, **body_extra: Any) -> tuple[
 
 def parse_jsonl(text: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def message_params(
+    text: str,
+    *,
+    max_tokens: int = 200,
+    model: str = "claude-sonnet-4-5",
+    structured: str = "output_config",
+    **extra: Any,
+) -> dict[str, Any]:
+    """Anthropic Messages params; `structured` is "output_config", "tool" or "none"."""
+    params: dict[str, Any] = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "system": "Classify the banking query.",
+        "messages": [{"role": "user", "content": text}],
+    }
+    if structured == "output_config":
+        params["output_config"] = {"format": {"type": "json_schema", "schema": LABEL_SCHEMA}}
+    elif structured == "tool":
+        params["tools"] = [{"name": "record_label", "input_schema": LABEL_SCHEMA, "strict": True}]
+        params["tool_choice"] = {"type": "tool", "name": "record_label"}
+    return {**params, **extra}
+
+
+def batch_requests(n: int, **kw: Any) -> list[dict[str, Any]]:
+    return [
+        {
+            "custom_id": f"req-{i:04d}",
+            "params": message_params(TEXTS[i % len(TEXTS)] + f" #{i}", **kw),
+        }
+        for i in range(n)
+    ]
