@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import pytest
+
+from lowtide.backends import make_backend
+from lowtide.backends.base import BatchStatus, TerminalBackendError
+from lowtide.backends.openai_batch import map_status, parse_result_lines
+
+
+@pytest.mark.parametrize(
+    "provider,ours,terminal",
+    [
+        ("validating", BatchStatus.VALIDATING, False),
+        ("in_progress", BatchStatus.IN_PROGRESS, False),
+        ("finalizing", BatchStatus.FINALIZING, False),
+        ("completed", BatchStatus.COMPLETED, True),
+        ("failed", BatchStatus.FAILED, True),
+        ("expired", BatchStatus.EXPIRED, True),
+        ("cancelling", BatchStatus.CANCELLING, False),
+        ("cancelled", BatchStatus.CANCELLED, True),
+    ],
+)
+def test_status_table(provider: str, ours: BatchStatus, terminal: bool) -> None:
+    assert map_status(provider) is ours
+    assert ours.terminal is terminal
+
+
+def test_unknown_status_is_terminal_error() -> None:
+    with pytest.raises(TerminalBackendError, match="unknown OpenAI batch status 'paused'"):
+        map_status("paused")
+
+
+def test_result_lines_of_every_shape() -> None:
+    content = b"\n".join(
+        [
+            b'{"id":"r1","custom_id":"a","response":{"status_code":200,"request_id":"q","body":{"choices":[{"index":0,"message":{"role":"assistant","content":"{}","refusal":null},"finish_reason":"length"}],"usage":{"prompt_tokens":20,"completion_tokens":5,"total_tokens":25,"prompt_tokens_details":{"cached_tokens":8}}}},"error":null}',
+            b'{"id":"r2","custom_id":"b","response":{"status_code":429,"request_id":"q","body":{"error":{"message":"slow down","type":"rate_limit","param":null,"code":"rate_limit_exceeded"}}},"error":null}',
+            b'{"id":"r3","custom_id":"c","response":null,"error":{"code":"batch_cancelled","message":"cancelled"}}',
+            b'{"id":"r4","custom_id":"d","response":null,"error":{"code":"batch_expired","message":"too late"}}',
+        ]
+    )
+    out = {r["custom_id"]: r for r in parse_result_lines(content).iter_rows(named=True)}
+    assert out["a"]["status"] == "answered" and out["a"]["finish_reason"] == "length"
+    assert (out["a"]["input_tokens"], out["a"]["cached_tokens"], out["a"]["output_tokens"]) == (
+        20,
+        8,
+        5,
+    )
+    assert (
+        out["b"]["status"] == "provider_error"
+        and out["b"]["error"] == "HTTP 429 rate_limit_exceeded: slow down"
+    )
+    assert out["c"]["status"] == "cancelled" and out["d"]["status"] == "expired"
+    assert parse_result_lines(b"").height == 0
+
+
+def test_missing_key_says_where_it_looked() -> None:
+    with pytest.raises(
+        TerminalBackendError, match=r"set OPENAI_API_KEY \(looked in: environment\)"
+    ):
+        make_backend("openai")
+
+
+def test_unknown_backend_lists_known() -> None:
+    with pytest.raises(
+        TerminalBackendError, match="Unknown backend 'vllm2'; known: emulator, openai"
+    ):
+        make_backend("vllm2")

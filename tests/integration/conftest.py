@@ -1,0 +1,55 @@
+"""Fixtures for whole-flow tests: a real emulator over HTTP, real Prefect, real DuckDB files."""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from lowtide.emulator import Emulator, EmulatorConfig
+from tests.conftest import SAMPLE_JOB
+
+
+@pytest.fixture
+def emulator() -> Iterator[Emulator]:
+    with Emulator(EmulatorConfig(time_scale=600.0, seed=3)) as emu:
+        yield emu
+
+
+def write_job(
+    tmp_path: Path, rows: int | None = None, eval_rows: int = 40, **model: object
+) -> Path:
+    """A copy of the sample job, optionally on the first `rows` messages, with absolute paths."""
+    data = SAMPLE_JOB.parent.parent
+    spec = tomllib.loads(SAMPLE_JOB.read_text())
+    messages = pl.read_csv(data / "support" / "messages.csv")
+    if rows is not None:
+        messages = messages.head(rows)
+    messages.write_csv(tmp_path / "messages.csv")
+    pl.read_csv(data / "support" / "eval.csv").head(eval_rows).write_csv(tmp_path / "eval.csv")
+    lines = SAMPLE_JOB.read_text().splitlines()
+    replaced = {
+        spec["input"]["path"]: str(tmp_path / "messages.csv"),
+        spec["output"]["schema_file"]: str(
+            (SAMPLE_JOB.parent / spec["output"]["schema_file"]).resolve()
+        ),
+        spec["qa"]["eval_set"]: str(tmp_path / "eval.csv"),
+        spec["cost"]["price_table"]: str(
+            (SAMPLE_JOB.parent / spec["cost"]["price_table"]).resolve()
+        ),
+    }
+    out = []
+    for line in lines:
+        for old, new in replaced.items():
+            if (
+                line.strip().startswith(("path", "schema_file", "eval_set", "price_table"))
+                and f'"{old}"' in line
+            ):
+                line = line.replace(f'"{old}"', f'"{new}"')
+        out.append(line)
+    path = tmp_path / "job.toml"
+    path.write_text("\n".join(out) + "\n")
+    return path

@@ -1,0 +1,154 @@
+"""The whole job through Prefect against the emulator over real HTTP, checked in DuckDB."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import duckdb
+import polars as pl
+import pytest
+
+from flows.enrich import enrich
+from lowtide.store.state import Store
+from tests.conftest import SAMPLE_JOB
+from tests.integration.conftest import write_job
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+
+def _invariant(summary: dict) -> None:
+    assert summary["status"] == "completed"
+    assert summary["rows"] == summary["succeeded"] + summary["failed"]
+
+
+def test_sample_job_end_to_end_then_from_cache(emulator, clean_env: Path) -> None:
+    first = enrich(job_file=str(SAMPLE_JOB), emulator_url=emulator.base_url)
+    _invariant(first)
+    assert first["rows"] == 3000
+    assert first["units"] > first["rows"]  # long messages were split
+    assert first["requests_sent"] == first["unique_requests"] < first["units"] + 200  # dedupe
+    assert 0.5 < first["eval_accuracy"] < 0.95
+    assert first["cost_usd"] > 0 and first["realtime_cost_usd"] > 2 * first["cost_usd"] * 0.99
+
+    executed = emulator.ledger.count_by_custom_id()
+    assert set(executed.values()) == {1}  # every unique request executed once
+    store = Store(os.environ["LOWTIDE_STATE"])
+    units = store.query(
+        "SELECT custom_id, count(*) AS n FROM units WHERE run_id = ? AND custom_id <> '' GROUP BY 1",
+        [first["run_id"]],
+    )
+    assert units.height == first["unique_requests"]
+    assert units["n"].max() > 1  # duplicates fanned out from one request
+    assert set(executed) <= set(units["custom_id"])
+
+    db = duckdb.connect(os.environ["LOWTIDE_DB"], read_only=True)
+    view = pl.from_arrow(db.sql("SELECT * FROM support_intents").to_arrow_table())
+    db.close()
+    assert view["message_id"].n_unique() == 3000
+    assert {"body", "channel", "customer_tier", "intent", "urgency", "summary", "status"} <= set(
+        view.columns
+    )
+    ok = view.filter(pl.col("status") == "succeeded")
+    assert (
+        ok["intent"]
+        .is_in(
+            [
+                "order_status",
+                "refund_request",
+                "billing_issue",
+                "shipping_delay",
+                "damaged_item",
+                "account_access",
+                "cancel_subscription",
+                "product_question",
+                "change_address",
+                "complaint",
+            ]
+        )
+        .all()
+    )
+    failed = view.filter(pl.col("status") == "failed")
+    assert failed["failure_reason"].is_not_null().all()
+    failures = store.query(
+        "SELECT * FROM failures WHERE run_id = ? AND kind = 'row'", [first["run_id"]]
+    )
+    assert failures.height == first["failed"] and failures["reason"].is_not_null().all()
+
+    errored = set(
+        store.query("SELECT custom_id FROM results WHERE outcome = 'provider_error'")["custom_id"]
+    )
+    assert 0 < len(errored) < 100  # the emulator's 1% per-request errors
+
+    second = enrich(job_file=str(SAMPLE_JOB), emulator_url=emulator.base_url)
+    _invariant(second)
+    assert second["run_id"] != first["run_id"]
+    assert second["cache_hits"] == first["unique_requests"] - len(errored)
+    assert second["requests_sent"] == len(errored)  # only the provider errors are asked again
+    after = emulator.ledger.count_by_custom_id()
+    assert all(after[k] == 1 for k in executed)  # nothing answered before was paid for again
+    assert set(after) - set(executed) <= errored
+
+
+def test_openai_backend_with_base_url_through_the_cli(emulator, tmp_path: Path) -> None:
+    from prefect.settings import PREFECT_API_URL
+
+    job = write_job(tmp_path, rows=40, eval_rows=10)
+    env = {
+        **os.environ,
+        "OPENAI_BASE_URL": emulator.openai_base_url,
+        "OPENAI_API_KEY": "x",
+        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "lowtide.cli", "run", str(job), "--backend", "openai"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "completed" in done.stdout
+    status = subprocess.run(
+        [sys.executable, "-m", "lowtide.cli", "status", "--json"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    import orjson
+
+    runs = orjson.loads(status.stdout)
+    assert runs[0]["backend"] == "openai" and runs[0]["rows"] == 40
+    assert {
+        "run_id",
+        "job",
+        "backend",
+        "status",
+        "rows",
+        "succeeded",
+        "failed",
+        "requests_sent",
+        "cache_hits",
+        "cost_usd",
+    } <= set(runs[0])
+    assert runs[0]["rows"] == runs[0]["succeeded"] + runs[0]["failed"]
+    assert sum(emulator.ledger.count_by_custom_id().values()) == runs[0]["requests_sent"] - sum(
+        1 for e in emulator.ledger.errors()
+    )
+
+
+def test_missing_input_column_fails_before_sending(emulator, tmp_path: Path) -> None:
+    job = write_job(tmp_path, rows=5)
+    job.write_text(job.read_text().replace('text_column = "body"', 'text_column = "message"'))
+    from tasks.load import InputError
+
+    with pytest.raises(InputError, match=r"missing column\(s\) \['message'\]"):
+        enrich(job_file=str(job), emulator_url=emulator.base_url)
+    assert emulator.ledger.executions() == []
+    run = Store(os.environ["LOWTIDE_STATE"]).list_runs().row(0, named=True)
+    assert run["status"] == "failed" and "message" in run["error"]

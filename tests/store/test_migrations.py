@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from lowtide.store import migrations
+from lowtide.store.state import StateLockedError, Store
+
+TABLES = {
+    "schema_version",
+    "jobs",
+    "runs",
+    "units",
+    "requests",
+    "batches",
+    "batch_requests",
+    "results",
+    "failures",
+    "qa_samples",
+    "eval_scores",
+    "costs",
+    "metrics",
+}
+
+
+def test_empty_file_is_migrated_to_the_latest_schema(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.duckdb")
+    assert store.scalar("SELECT max(version) FROM schema_version") == migrations.LATEST
+    names = set(store.query("SELECT table_name FROM duckdb_tables()")["table_name"].to_list())
+    assert TABLES <= names
+    cols = set(
+        store.query("SELECT column_name FROM duckdb_columns() WHERE table_name = 'results'")[
+            "column_name"
+        ]
+    )
+    assert {"custom_id", "outcome", "output", "error", "input_tokens", "attempts"} <= cols
+
+
+def test_migrating_twice_changes_nothing(tmp_path: Path) -> None:
+    con = duckdb.connect(str(tmp_path / "s.duckdb"))
+    assert migrations.apply(con) == migrations.LATEST
+    assert migrations.apply(con) == migrations.LATEST
+    assert con.execute("SELECT count(*) FROM schema_version").fetchall()[0][0] == len(
+        migrations.MIGRATIONS
+    )
+
+
+def test_a_newer_file_is_refused(tmp_path: Path) -> None:
+    con = duckdb.connect(str(tmp_path / "s.duckdb"))
+    migrations.apply(con)
+    con.execute("INSERT INTO schema_version VALUES (999, 'future', now())")
+    with pytest.raises(RuntimeError, match="newer than this lowtide"):
+        migrations.apply(con)
+
+
+def test_a_held_state_file_is_waited_for_then_named(tmp_path: Path) -> None:
+    path = tmp_path / "s.duckdb"
+    Store(path).scalar("SELECT 1")
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import duckdb,time; c=duckdb.connect({str(path)!r}); print('held', flush=True); time.sleep(30)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(StateLockedError, match=rf"state file {path} is locked by .*waited 1 s"):
+            Store(path, lock_timeout_s=1.0).scalar("SELECT 1")
+    finally:
+        holder.kill()
+        holder.wait()

@@ -1,0 +1,109 @@
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+
+import duckdb
+import orjson
+import polars as pl
+
+from lowtide.store.publish import publish, source_table
+from lowtide.store.state import Store
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "label": {"type": "string"},
+        "score": {"type": "integer"},
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array"},
+    },
+}
+
+
+def _seed(store: Store, run_id: str, label: str) -> None:
+    store.save_job("my-job", "my_job", "doc_id", orjson.dumps(SCHEMA).decode(), "job.toml")
+    store.create_run(
+        run_id=run_id,
+        job="my-job",
+        job_fingerprint="f",
+        backend="emulator",
+        model="m",
+        status="completed",
+        started_at=datetime(2026, 1, 1),
+        published_at=datetime(2026, 1, 1, 0, 0, int(run_id[-1])),
+    )
+    store.save_sources(
+        source_table("my_job"),
+        run_id,
+        pl.DataFrame({"source_id": ["d1"], "body": ["hello"], "lang": ["en"]}),
+    )
+    store.save_units(
+        run_id,
+        pl.DataFrame(
+            {
+                "unit_id": ["d1#0"],
+                "source_id": ["d1"],
+                "kind": ["row"],
+                "chunk_index": [0],
+                "n_chunks": [1],
+                "unit_tokens": [None],
+                "custom_id": [f"c-{label}"],
+                "cache_hit": [False],
+            },
+            schema_overrides={"unit_tokens": pl.Int32},
+        ),
+    )
+    store.upsert_results(
+        pl.DataFrame(
+            {
+                "custom_id": [f"c-{label}"],
+                "batch_id": ["b"],
+                "run_id": [run_id],
+                "outcome": ["ok"],
+                "output": [
+                    orjson.dumps({"label": label, "score": 3, "ok": True, "tags": ["a"]}).decode()
+                ],
+                "raw_text": [""],
+                "finish_reason": ["stop"],
+                "error": [None],
+                "input_tokens": [1],
+                "cached_tokens": [0],
+                "output_tokens": [1],
+                "attempts": [1],
+            }
+        )
+    )
+
+
+def test_job_view_has_source_columns_and_typed_outputs(tmp_path: Path) -> None:
+    store = Store(tmp_path / "state.duckdb")
+    _seed(store, "run1", "first")
+    db = publish(store, tmp_path / "pub.duckdb", store.job_views())
+    con = duckdb.connect(str(db), read_only=True)
+    rows = con.execute("SELECT doc_id, body, lang, status, label, score, ok FROM my_job").fetchall()
+    assert rows == [("d1", "hello", "en", "succeeded", "first", 3, True)]
+    types = dict(
+        con.execute(
+            "SELECT column_name, data_type FROM duckdb_columns() WHERE table_name = 'my_job'"
+        ).fetchall()
+    )
+    assert types["score"] == "BIGINT" and types["ok"] == "BOOLEAN" and types["label"] == "VARCHAR"
+    assert {"runs", "results", "costs", "failures"} <= {
+        r[0] for r in con.execute("SHOW TABLES").fetchall()
+    }
+
+
+def test_publishing_swaps_the_file_while_a_reader_holds_the_old_one(tmp_path: Path) -> None:
+    store = Store(tmp_path / "state.duckdb")
+    _seed(store, "run1", "first")
+    db = publish(store, tmp_path / "pub.duckdb", store.job_views())
+    reader = duckdb.connect(str(db), read_only=True)
+    assert reader.execute("SELECT label FROM my_job").fetchall() == [("first",)]
+    _seed(store, "run2", "second")
+    publish(store, db, store.job_views())  # must not be blocked by the open reader
+    assert reader.execute("SELECT label FROM my_job").fetchall() == [("first",)]  # old snapshot
+    reader.close()
+    fresh = duckdb.connect(str(db), read_only=True)
+    assert fresh.execute("SELECT label, run_id FROM my_job").fetchall() == [("second", "run2")]
+    assert not list(tmp_path.glob(".pub.duckdb.*"))  # no temp file left behind

@@ -1,0 +1,74 @@
+from __future__ import annotations
+
+import orjson
+import polars as pl
+import pytest
+
+from lowtide.jobspec import load_job
+from tasks.assemble import cut_shards, plan_batches
+from tests.conftest import SAMPLE_JOB
+
+
+@pytest.fixture
+def job():
+    return load_job(SAMPLE_JOB)
+
+
+def _requests(users: list[str]) -> pl.DataFrame:
+    return pl.DataFrame(
+        {
+            "custom_id": [f"lt1_{i:04d}" for i in range(len(users))],
+            "request_key": [str(i) for i in range(len(users))],
+            "user": users,
+            "unit_tokens": [None] * len(users),
+        },
+        schema_overrides={"unit_tokens": pl.Int32},
+    )
+
+
+def test_lines_are_openai_batch_requests_with_a_fixed_prefix(job) -> None:
+    users = ['He said "hi"\n\tthen left 🙂', "Zoë\\n", "plain"]
+    reqs, batches, members = plan_batches(
+        job,
+        "run1",
+        _requests(users),
+        backend="emulator",
+        max_requests=50_000,
+        max_bytes=200 * 2**20,
+    )
+    lines = [orjson.loads(line) for line in reqs["line"]]
+    assert [line["custom_id"] for line in lines] == reqs["custom_id"].to_list()
+    assert {line["method"] for line in lines} == {"POST"}
+    assert {line["url"] for line in lines} == {"/v1/chat/completions"}
+    assert [line["body"]["messages"][-1]["content"] for line in lines] == users
+    prefixes = {orjson.dumps(line["body"]["messages"][:-1]) for line in lines}
+    assert len(prefixes) == 1  # identical system + few-shot prefix in every request
+    body = lines[0]["body"]
+    assert body["model"] == job.model.name and body["max_tokens"] == job.model.max_tokens
+    assert body["response_format"]["type"] == "json_schema"
+    assert body["response_format"]["json_schema"]["strict"] is True
+    assert body["response_format"]["json_schema"]["schema"] == job.output_schema
+    assert batches.height == 1 and members.height == 3
+    assert (reqs["est_input_tokens"] > 100).all()  # the system prompt is counted
+
+
+def test_extra_body_is_passed_verbatim(job) -> None:
+    job.model.extra_body = {"enable_thinking": False, "seed": 7}
+    reqs, _, _ = plan_batches(
+        job, "r", _requests(["x"]), backend="openai", max_requests=10, max_bytes=10**6
+    )
+    body = orjson.loads(reqs["line"][0])["body"]
+    assert body["enable_thinking"] is False and body["seed"] == 7
+
+
+@pytest.mark.parametrize(
+    "n,size,max_req,max_bytes",
+    [(10, 100, 3, 10_000), (10, 100, 50, 350), (1, 10, 5, 100), (7, 50, 7, 10**6)],
+)
+def test_shards_respect_request_and_byte_limits(n, size, max_req, max_bytes) -> None:
+    shard = cut_shards(pl.Series([size] * n), max_req, max_bytes)
+    frame = pl.DataFrame({"shard": shard, "b": [size + 1] * n})
+    per = frame.group_by("shard").agg(pl.len(), pl.col("b").sum())
+    assert (per["len"] <= max_req).all()
+    assert (per["b"] <= max_bytes).all()
+    assert shard.to_list() == sorted(shard.to_list())  # contiguous

@@ -1,0 +1,83 @@
+from __future__ import annotations
+
+import polars as pl
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lowtide.tokens import count_tokens
+from tasks.chunk import chunk_units, split_text
+
+WORDS = st.lists(
+    st.sampled_from(
+        [
+            "refund",
+            "Zoë",
+            "naïve",
+            "🙂",
+            "order #1234",
+            "\n\n",
+            "  ",
+            "€12.50",
+            "日本語",
+            "shipping",
+            "the",
+            "a",
+            "x" * 30,
+            "\\",
+            '"quoted"',
+        ]
+    ),
+    min_size=0,
+    max_size=400,
+)
+
+
+@given(words=WORDS, budget=st.integers(min_value=16, max_value=120))
+@settings(max_examples=60, deadline=None)
+def test_split_pieces_reassemble_and_fit(words: list[str], budget: int) -> None:
+    text = " ".join(words)
+    pieces = split_text(text, budget, overlap=0)
+    assert "".join(pieces) == text
+    assert all(count_tokens(p) <= budget for p in pieces)
+
+
+@given(words=WORDS, budget=st.integers(min_value=32, max_value=120))
+@settings(max_examples=40, deadline=None)
+def test_split_with_overlap_covers_text_in_order(words: list[str], budget: int) -> None:
+    text = " ".join(words)
+    pieces = split_text(text, budget, overlap=8)
+    assert all(count_tokens(p) <= budget for p in pieces)
+    assert pieces[0] == text[: len(pieces[0])]
+    assert text.endswith(pieces[-1])
+
+
+def test_short_text_is_one_unit_without_tokenizing() -> None:
+    assert split_text("short enough", 16) == ["short enough"]
+
+
+def test_chunk_units_table() -> None:
+    long_text = "word " * 400
+    rows = pl.DataFrame(
+        {
+            "source_id": ["a", "b", "c"],
+            "text": ["hello", long_text, None],
+            "channel": ["x", "y", "z"],
+        }
+    )
+    units = chunk_units(rows, max_tokens=100, overlap=0)
+    by_source = units.group_by("source_id").agg(pl.len(), pl.col("n_chunks").first())
+    counts = dict(zip(by_source["source_id"], by_source["len"], strict=True))
+    assert counts["a"] == 1 and counts["c"] == 1 and counts["b"] > 3
+    b = units.filter(pl.col("source_id") == "b").sort("chunk_index")
+    assert b["unit_id"].to_list()[:2] == ["b#0", "b#1"]
+    assert "".join(b["text"].to_list()) == long_text
+    assert set(b["n_chunks"].to_list()) == {b.height}
+    assert units.filter(pl.col("source_id") == "c")["text"].to_list() == [""]
+    assert set(units["channel"].to_list()) == {"x", "y", "z"}  # extra columns travel with units
+
+
+def test_truncate_keeps_only_the_first_piece() -> None:
+    rows = pl.DataFrame({"source_id": ["b"], "text": ["word " * 400]})
+    units = chunk_units(rows, max_tokens=100, mode="truncate")
+    assert units.height == 1 and units["n_chunks"][0] == 1
+    assert count_tokens(units["text"][0]) <= 100

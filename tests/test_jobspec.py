@@ -1,0 +1,74 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lowtide.jobspec import JobFileError, load_job
+from tests.conftest import SAMPLE_JOB
+
+
+def test_sample_job_loads_and_resolves_paths() -> None:
+    job = load_job(SAMPLE_JOB)
+    assert job.view_name == "support_intents"
+    assert Path(job.resolve(job.input.path)).is_file()
+    assert "intent" in job.enum_fields()
+    assert load_job(SAMPLE_JOB, backend="openai").model.backend == "openai"
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "job.toml"
+    p.write_text(text)
+    (tmp_path / "schema.json").write_text('{"type":"object","properties":{"a":{"type":"string"}}}')
+    return p
+
+
+BASE = """
+name = "t"
+[input]
+path = "in.csv"
+id_column = "id"
+text_column = "body"
+[output]
+schema_file = "schema.json"
+[model]
+name = "m"
+"""
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        (
+            BASE.replace('name = "m"', 'name = "m"\ntemprature = 1'),
+            r"\[model\.temprature\] unknown key",
+        ),
+        (BASE.replace('id_column = "id"\n', ""), r"\[input\.id_column\] required key is missing"),
+        (
+            BASE + '[prompt]\nuser_template = "no text here"\n',
+            r"user_template must contain \{text\}",
+        ),
+        (
+            BASE + '[prompt]\nuser_template = "{tier}: {text}"\n',
+            r"uses \['tier'\] which are not in \[input\] columns",
+        ),
+        (BASE.replace("schema.json", "nope.json"), r"nope\.json does not exist"),
+        (BASE.replace('name = "t"', 'name = "Bad Name"'), "name must be lowercase"),
+        ("name = [", "not valid TOML"),
+        (
+            BASE + "[chunk]\nmax_tokens = 100\noverlap_tokens = 60\n",
+            "overlap_tokens must be less than half",
+        ),
+    ],
+)
+def test_bad_job_files_get_clear_errors(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(JobFileError, match=message) as info:
+        load_job(_write(tmp_path, text))
+    assert str(tmp_path / "job.toml") in str(info.value)
+
+
+def test_unknown_backend_lists_the_known_ones(tmp_path: Path) -> None:
+    with pytest.raises(
+        JobFileError, match="unknown backend 'openai-batch'; known: emulator, openai"
+    ):
+        load_job(_write(tmp_path, BASE), backend="openai-batch")
