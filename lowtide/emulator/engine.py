@@ -95,7 +95,7 @@ class EngineConfig:
     time_scale: float = 1.0
     # Wall seconds the engine may run behind its schedule (GC, a busy CPU) before it stops
     # trying to catch up; lost time is dropped, so the engine never runs above its rate.
-    max_lag_s: float = 0.05
+    max_lag_s: float = 0.25
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_tokens", "block_size"):
