@@ -17,7 +17,7 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-BACKENDS = ("emulator", "openai")
+BACKENDS = ("emulator", "openai", "anthropic")
 _JOB_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
 
 
@@ -86,6 +86,8 @@ class OutputSpec(_Strict):
 class ModelSpec(_Strict):
     backend: str = "emulator"
     name: str
+    names: dict[str, str] = Field(default_factory=dict)
+    """Per-backend model names, e.g. {anthropic = "claude-haiku-4-5"}; `name` is the default."""
     temperature: float = 0.0
     max_tokens: int = Field(256, ge=1)
     extra_body: dict[str, Any] = Field(default_factory=dict)
@@ -194,6 +196,7 @@ def load_job(path: str | Path, backend: str | None = None) -> JobSpec:
     job.source_path = str(path.resolve())
     if backend:
         job.model.backend = backend
+    job.model.name = job.model.names.get(job.model.backend, job.model.name)
     if job.model.backend not in BACKENDS:
         raise JobFileError(
             path, f"unknown backend {job.model.backend!r}; known: {', '.join(BACKENDS)}"

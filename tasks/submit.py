@@ -22,19 +22,22 @@ def submit_batch(store: Store, backend: Backend, batch_id: str) -> str:
     if row["provider_batch_id"]:
         return row["provider_batch_id"]
     input_file_id = row["input_file_id"]
-    if input_file_id:
-        found = backend.find(batch_id)
+    if row["status"] == BatchStatus.UPLOADED.value:
+        # the create call may have reached the provider just before a crash: ask first
+        found = backend.find(batch_id, row["n_requests"], row["updated_at"].timestamp())
         if found:
             store.update_batch(
                 batch_id, provider_batch_id=found, status=BatchStatus.VALIDATING.value
             )
             return found
-    else:
-        lines = store.batch_lines(batch_id)
+    lines = store.batch_lines(batch_id)
+    if row["status"] == BatchStatus.PENDING.value:
         input_file_id = backend.upload(batch_id, lines)
+        # recorded even for providers without an upload step (None): from here on a create call
+        # may have happened, so a restart must look for the batch before creating another
         store.update_batch(batch_id, input_file_id=input_file_id, status=BatchStatus.UPLOADED.value)
         crash_point("after_upload")
-    provider_id = backend.create(batch_id, input_file_id)
+    provider_id = backend.create(batch_id, input_file_id, lines)
     crash_point("after_create")
     store.update_batch(batch_id, provider_batch_id=provider_id, status=BatchStatus.VALIDATING.value)
     return provider_id

@@ -6,15 +6,21 @@ from collections.abc import Callable
 
 from lowtide.backends.base import Backend, TerminalBackendError
 
-KNOWN = ("emulator", "openai")
+KNOWN = ("emulator", "openai", "anthropic")
 
 
 def make_backend(name: str, *, emulator_url: str | None = None) -> Backend:
     """Build the backend `name`. `emulator_url` is the emulator's base URL for 'emulator'."""
     from lowtide.backends import openai_batch
 
+    def anthropic() -> Backend:
+        from lowtide.backends import anthropic_batch
+
+        return anthropic_batch.from_environment()
+
     factories: dict[str, Callable[[], Backend]] = {
         "openai": openai_batch.from_environment,
+        "anthropic": anthropic,
         "emulator": lambda: openai_batch.for_base_url(_emulator_v1(emulator_url)),
     }
     if name not in factories:

@@ -99,16 +99,20 @@ class Backend(Protocol):
 
     capabilities: Capabilities
 
-    def upload(self, batch_id: str, lines: list[str]) -> str:
-        """Send a shard's request lines; returns the provider's input file id."""
+    def upload(self, batch_id: str, lines: list[str]) -> str | None:
+        """Send a shard's request lines as a file; returns the provider's input file id, or None
+        for providers that take requests inline with the create call (no upload step)."""
         ...
 
-    def create(self, batch_id: str, input_file_id: str) -> str:
-        """Start the batch, tagged with lowtide's batch_id; returns the provider batch id."""
+    def create(self, batch_id: str, input_file_id: str | None, lines: list[str]) -> str:
+        """Start the batch, tagged with lowtide's batch_id where the provider allows; returns the
+        provider batch id. `lines` are lowtide's stored request lines (OpenAI chat format);
+        backends with another wire format translate them here."""
         ...
 
-    def find(self, batch_id: str) -> str | None:
-        """The provider batch already created for this lowtide batch_id, if any (crash repair)."""
+    def find(self, batch_id: str, n_requests: int, not_before: float) -> str | None:
+        """The provider batch already created for this lowtide batch, if any (crash repair):
+        by metadata tag where the provider keeps one, else by size and creation time."""
         ...
 
     def poll(self, provider_batch_id: str) -> BatchState: ...

@@ -187,7 +187,11 @@ class OpenAIBatchBackend:
         )
         return f.id
 
-    def create(self, batch_id: str, input_file_id: str) -> str:
+    def create(self, batch_id: str, input_file_id: str | None, lines: list[str]) -> str:
+        if input_file_id is None:
+            raise TerminalBackendError(
+                "OpenAI batches need an uploaded input file", backend="openai"
+            )
         batch = self._call(
             "create",
             lambda: self.client.batches.create(
@@ -199,7 +203,7 @@ class OpenAIBatchBackend:
         )
         return batch.id
 
-    def find(self, batch_id: str) -> str | None:
+    def find(self, batch_id: str, n_requests: int = 0, not_before: float = 0.0) -> str | None:
         def scan() -> str | None:
             for b in self.client.batches.list(limit=100):
                 if (b.metadata or {}).get(METADATA_KEY) == batch_id:

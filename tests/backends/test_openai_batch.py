@@ -63,6 +63,6 @@ def test_missing_key_says_where_it_looked() -> None:
 
 def test_unknown_backend_lists_known() -> None:
     with pytest.raises(
-        TerminalBackendError, match="Unknown backend 'vllm2'; known: emulator, openai"
+        TerminalBackendError, match="Unknown backend 'vllm2'; known: emulator, openai, anthropic"
     ):
         make_backend("vllm2")
