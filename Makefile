@@ -8,7 +8,7 @@ export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_LOGGING_LEVEL ?= WARNING
 
-.PHONY: demo test lint format install clean bench-engine
+.PHONY: demo test lint format install clean bench-engine bench-pool serve
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,14 @@ format: $(STAMP)
 
 bench-engine: $(STAMP)
 	$(PY) bench/bench_engine.py
+
+REQUESTS ?= 20000
+bench-pool: $(STAMP)
+	$(PY) bench/bench_pool.py --requests $(REQUESTS)
+
+# A local Prefect server (SQLite, offline) with lowtide's deployments served: UI on :4200
+serve: $(STAMP)
+	bash deployments/serve.sh
 
 clean:
 	rm -rf .lowtide lowtide.duckdb

@@ -16,7 +16,7 @@ import orjson
 from prefect import flow
 from prefect.runtime import flow_run
 
-from lowtide import progress
+from lowtide import artifacts, progress
 from lowtide.backends import make_backend
 from lowtide.jobspec import JobSpec, load_job
 from lowtide.pricing import load_price
@@ -115,9 +115,16 @@ def enrich(
         )
     work_dir = str(settings.work_dir / run_id)
 
+    progress_id = artifacts.start_progress(job.name)
+
+    def batches_progress(stage: str, done: int, total: int, note: str) -> None:
+        if stage == "batches":
+            artifacts.update_progress(progress_id, done, total)
+
+    progress.add_listener(batches_progress)
     with emulator_for(backend_name, emulator_url) as emu_url:
         try:
-            return _run_stages(
+            summary = _run_stages(
                 job,
                 settings,
                 store,
@@ -129,6 +136,10 @@ def enrich(
                 price,
                 wait,
             )
+            if summary["status"] == "completed":
+                artifacts.update_progress(progress_id, 1, 1)
+                artifacts.publish_run_report(summary)
+            return summary
         except Exception as e:
             # After the manifest exists the run stays resumable; before it, nothing was sent.
             submitted = store.run_batches(run_id).height > 0
@@ -138,6 +149,8 @@ def enrich(
                 **({} if submitted else {"status": "failed", "finished_at": _now()}),
             )
             raise
+        finally:
+            progress.remove_listener(batches_progress)
 
 
 def _run_stages(

@@ -1,7 +1,8 @@
-"""A tiny progress channel from tasks to whoever is watching (the CLI's rich display).
+"""A tiny progress channel from tasks to whoever is watching (the CLI's rich display, the
+Prefect progress artifact).
 
-Tasks run in the flow's process, so a process-wide reporter is enough; with no reporter set,
-reporting does nothing.
+Tasks run in the flow's process, so process-wide listeners are enough; with none, reporting
+does nothing.
 """
 
 from __future__ import annotations
@@ -9,14 +10,25 @@ from __future__ import annotations
 from collections.abc import Callable
 
 Reporter = Callable[[str, int, int, str], None]
-_reporter: Reporter | None = None
+_listeners: list[Reporter] = []
+
+
+def add_listener(listener: Reporter) -> None:
+    _listeners.append(listener)
+
+
+def remove_listener(listener: Reporter) -> None:
+    if listener in _listeners:
+        _listeners.remove(listener)
 
 
 def set_reporter(reporter: Reporter | None) -> None:
-    global _reporter
-    _reporter = reporter
+    """Replace every listener by `reporter` (None: no listener)."""
+    _listeners.clear()
+    if reporter is not None:
+        _listeners.append(reporter)
 
 
 def report(stage: str, done: int = 0, total: int = 0, note: str = "") -> None:
-    if _reporter is not None:
-        _reporter(stage, done, total, note)
+    for listener in list(_listeners):
+        listener(stage, done, total, note)
