@@ -17,7 +17,7 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-BACKENDS = ("emulator", "openai", "anthropic")
+BACKENDS = ("emulator", "openai", "anthropic", "vllm")
 _JOB_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
 
 
@@ -105,6 +105,23 @@ class CostSpec(_Strict):
     budget_usd: float | None = Field(None, gt=0)
 
 
+class PoolSpec(_Strict):
+    """A pool of OpenAI-compatible servers (vLLM, SGLang, ...) for backend 'vllm'."""
+
+    urls: list[str] = Field(default_factory=list)  # base URLs ending in /v1; or LOWTIDE_VLLM_URLS
+    api_key: str | None = None  # sent as a Bearer token when the servers require one
+    min_inflight: int = Field(1, ge=1)  # per endpoint
+    max_inflight: int = Field(256, ge=1)  # per endpoint
+    initial_inflight: int = Field(8, ge=1)
+    adaptive: bool = True  # grow/shrink the in-flight cap from each server's /metrics
+    bucketing: bool = True  # longest requests first, so long ones do not straggle at the end
+    prefix_grouping: bool = True  # requests sharing a prompt prefix go to the same server
+    checkpoint_every: int = Field(200, ge=1)  # results committed to the store in groups this size
+    request_timeout_s: float = Field(600.0, gt=0)
+    gpu_hour_usd: float | None = None  # prices a pool run by GPU time
+    gpus: int = Field(1, ge=1)  # GPUs behind the pool, for the GPU-hour price
+
+
 class JobSpec(_Strict):
     name: str
     description: str = ""
@@ -115,6 +132,7 @@ class JobSpec(_Strict):
     model: ModelSpec
     qa: QaSpec = Field(default_factory=QaSpec)
     cost: CostSpec = Field(default_factory=CostSpec)
+    pool: PoolSpec = Field(default_factory=PoolSpec)
 
     # filled by load_job, not by the file
     source_path: str = ""

@@ -69,6 +69,7 @@ def test_bad_job_files_get_clear_errors(tmp_path: Path, text: str, message: str)
 
 def test_unknown_backend_lists_the_known_ones(tmp_path: Path) -> None:
     with pytest.raises(
-        JobFileError, match="unknown backend 'openai-batch'; known: emulator, openai, anthropic"
+        JobFileError,
+        match="unknown backend 'openai-batch'; known: emulator, openai, anthropic, vllm",
     ):
         load_job(_write(tmp_path, BASE), backend="openai-batch")
