@@ -490,6 +490,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     import uvicorn
 
+    from lowtide.emulator.server import NoDelayH11Protocol
+
     args = _parse_args(argv)
     config = EngineConfig(
         max_num_seqs=args.max_num_seqs,
@@ -511,7 +513,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         seed=args.seed,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        http=NoDelayH11Protocol,
+        log_level="warning",
+        access_log=False,
+        timeout_keep_alive=30,
+    )
 
 
 if __name__ == "__main__":

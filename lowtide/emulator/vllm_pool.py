@@ -3,7 +3,10 @@ thread and event loop — what a lowtide vLLM backend sees when it is given seve
 
 `EnginePool.stop(i)` takes one server down the way a crashed process would: the listening
 socket closes (new connections are refused), open connections are reset, and in-flight requests
-never get an answer, so clients see connection errors rather than HTTP statuses.
+never get an answer, so clients see connection errors rather than HTTP statuses. That needs the
+server's own event loop and connection set, which `lowtide.emulator.server.run_in_thread`
+(a graceful stop only) does not expose, hence the small runner here; it shares that module's
+TCP_NODELAY protocol and keep-alive setting.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from fastapi import FastAPI
 
 from lowtide.emulator.engine import Engine, EngineConfig
 from lowtide.emulator.ledger import BillingLedger
+from lowtide.emulator.server import NoDelayH11Protocol
 from lowtide.emulator.vllm import create_vllm_app
 
 _START_TIMEOUT_S = 10.0
@@ -34,10 +38,12 @@ class _ThreadedServer:
             app,
             host=host,
             port=port,
+            http=NoDelayH11Protocol,
             log_level="warning",
             access_log=False,
             lifespan="on",
             timeout_graceful_shutdown=1,
+            timeout_keep_alive=30,
         )
         self.server = uvicorn.Server(config)
         self.loop: asyncio.AbstractEventLoop | None = None
