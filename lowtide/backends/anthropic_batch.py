@@ -1,0 +1,496 @@
+"""Anthropic Message Batches through the official SDK (also any server that speaks it).
+
+lowtide stores every request as an OpenAI chat-completions batch line; this backend translates
+each line into a Messages request (`to_anthropic_params`) when the batch is created, and maps
+Anthropic's results back into lowtide's result rows. There is no upload step: requests travel
+inline with the create call.
+
+Two Anthropic facts shape the code:
+- Batches carry no metadata, so a batch created just before a crash can only be found again by
+  its size and creation time (`find`).
+- The results download is a stream that the SDK never retries; a connection cut mid-way raises
+  a transport error after part of the results were yielded. `results` re-requests the stream
+  and keeps the first result seen for each custom_id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any, TypeVar
+
+import anthropic
+import httpx2
+import orjson
+import polars as pl
+from tenacity import (
+    Retrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential_jitter,
+)
+
+from lowtide.backends.base import (
+    RESULT_SCHEMA,
+    BackendError,
+    BatchState,
+    BatchStatus,
+    Capabilities,
+    RequestStatus,
+    TerminalBackendError,
+    TransientBackendError,
+)
+
+T = TypeVar("T")
+
+CAPABILITIES = Capabilities(
+    name="anthropic",
+    max_requests=100_000,
+    max_bytes=256 * 1024 * 1024,
+    structured_output="output_config",
+    wire="openai_chat",
+    price_provider="anthropic",
+)
+
+STRUCTURED_OUTPUT_MODES = ("output_config", "tool")
+
+# Keys of a stored chat body that are known Anthropic Messages parameters under the same name
+# and meaning; they pass through (typically from the job's `extra_body`). Everything else that
+# is not translated below is OpenAI- or vLLM-only and is dropped: response_format (translated),
+# n, logprobs, top_logprobs, seed, frequency_penalty, presence_penalty, logit_bias, user, store,
+# stream, stream_options, parallel_tool_calls, reasoning_effort, ... An `output_config` (e.g.
+# an effort setting) is kept and merged with the structured-output format.
+PASSTHROUGH_PARAMS = frozenset(
+    {"top_k", "top_p", "stop_sequences", "metadata", "thinking", "inference_geo"}
+)
+
+# Anthropic's stop_reason → the OpenAI finish_reason vocabulary that parse/repair reads.
+# A forced tool call ends with "tool_use": for lowtide that is the normal, complete answer.
+_FINISH_REASON = {
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "tool_use": "stop",
+    "max_tokens": "length",
+    "model_context_window_exceeded": "length",
+    "refusal": "content_filter",
+    "pause_turn": "pause_turn",
+}
+
+_STATUS = {
+    "in_progress": BatchStatus.IN_PROGRESS,
+    "canceling": BatchStatus.CANCELLING,
+    "ended": BatchStatus.COMPLETED,  # refined from the request counts in map_status
+}
+
+# How far before `not_before` a batch may have been created and still count as "ours" in
+# find(): covers clock skew between this machine and the provider.
+FIND_SLACK_S = 5.0
+
+RESULTS_ATTEMPTS = 4
+
+
+# --------------------------------------------------------------------------- status
+
+
+def map_status(processing_status: str, counts: Mapping[str, int] | None = None) -> BatchStatus:
+    """Anthropic batch status (+ request counts) → lowtide's vocabulary.
+
+    The only place that knows Anthropic's status strings. `ended` means every request reached
+    a result; the counts say how: any `canceled` request → CANCELLED (a cancel was accepted),
+    else any `expired` request with nothing processing → EXPIRED (the 24 h window closed,
+    partial results kept), else COMPLETED (errored requests are per-request outcomes).
+    """
+    try:
+        status = _STATUS[processing_status]
+    except KeyError as e:
+        raise TerminalBackendError(
+            f"unknown Anthropic batch processing_status {processing_status!r}",
+            backend="anthropic",
+        ) from e
+    if status is BatchStatus.COMPLETED and counts:
+        if counts.get("canceled", 0) > 0:
+            return BatchStatus.CANCELLED
+        if counts.get("expired", 0) > 0 and counts.get("processing", 0) == 0:
+            return BatchStatus.EXPIRED
+    return status
+
+
+def finish_reason(stop_reason: str | None) -> str | None:
+    """Anthropic stop_reason → OpenAI-style finish_reason ("stop", "length", ...)."""
+    if stop_reason is None:
+        return None
+    return _FINISH_REASON.get(stop_reason, stop_reason)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def is_transient_status(status_code: int) -> bool:
+    return status_code in (408, 409, 429) or status_code >= 500
+
+
+def translate(exc: BaseException, operation: str) -> BackendError:
+    """SDK (or transport) exception → transient or terminal, keeping the provider's message.
+
+    Transient: rate limits, timeouts, dropped connections, 408/409/429, 5xx and 529 overloaded.
+    Everything else (bad request, auth, not found, a client-side AnthropicError) is terminal.
+    """
+    transient = isinstance(
+        exc,
+        anthropic.RateLimitError
+        | anthropic.APIConnectionError  # includes APITimeoutError
+        | anthropic.InternalServerError  # includes 503 and 529 OverloadedError
+        | httpx2.TransportError,
+    ) or (isinstance(exc, anthropic.APIStatusError) and is_transient_status(exc.status_code))
+    cls = TransientBackendError if transient else TerminalBackendError
+    return cls(f"{operation}: {exc}", backend="anthropic", operation=operation)
+
+
+# --------------------------------------------------------------------------- request lines
+
+
+def to_anthropic_params(body: Mapping[str, Any], structured_output: str) -> dict[str, Any]:
+    """One stored chat-completions body → the `params` of an Anthropic Messages request.
+
+    - system messages become top-level text blocks; the last one carries
+      `cache_control: ephemeral`, so the shared instructions are a cacheable prefix;
+    - user/assistant messages keep their order (few-shot examples, then the unit);
+    - `model`, `max_tokens` (or `max_completion_tokens`), `temperature`; `stop` → `stop_sequences`;
+    - `response_format.json_schema.schema` → `output_config.format` (structured_output
+      "output_config") or a strict forced tool named after the schema ("tool");
+    - keys in PASSTHROUGH_PARAMS are kept; other keys are dropped.
+    Raises TerminalBackendError for a body Anthropic cannot express.
+    """
+    if structured_output not in STRUCTURED_OUTPUT_MODES:
+        raise TerminalBackendError(
+            f"unknown structured_output {structured_output!r} for backend 'anthropic'; "
+            f"known: {', '.join(STRUCTURED_OUTPUT_MODES)}",
+            backend="anthropic",
+        )
+    system: list[dict[str, Any]] = []
+    messages: list[dict[str, Any]] = []
+    for i, msg in enumerate(body.get("messages") or []):
+        role = msg.get("role")
+        if role in ("system", "developer"):
+            system.extend({"type": "text", "text": t} for t in _texts(msg.get("content"), i))
+        elif role in ("user", "assistant"):
+            messages.append({"role": role, "content": _content(msg.get("content"), i)})
+        else:
+            raise TerminalBackendError(
+                f"messages[{i}]: role {role!r} has no Anthropic equivalent in lowtide "
+                "(expected system, user or assistant)",
+                backend="anthropic",
+            )
+    if system:
+        system[-1]["cache_control"] = {"type": "ephemeral"}
+
+    max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+    if max_tokens is None:
+        raise TerminalBackendError(
+            "Anthropic needs max_tokens: set [model] max_tokens in the job file",
+            backend="anthropic",
+        )
+    params: dict[str, Any] = {"model": body.get("model"), "max_tokens": max_tokens}
+    if system:
+        params["system"] = system
+    params["messages"] = messages
+    if body.get("temperature") is not None:
+        params["temperature"] = body["temperature"]
+    stop = body.get("stop")
+    if stop:
+        params["stop_sequences"] = [stop] if isinstance(stop, str) else list(stop)
+    params.update({k: v for k, v in body.items() if k in PASSTHROUGH_PARAMS})
+
+    schema_name, schema = _json_schema(body.get("response_format"))
+    output_config = dict(body.get("output_config") or {})
+    if schema is not None and structured_output == "output_config":
+        output_config["format"] = {"type": "json_schema", "schema": schema}
+    elif schema is not None:
+        params["tools"] = [{"name": schema_name, "input_schema": schema, "strict": True}]
+        params["tool_choice"] = {"type": "tool", "name": schema_name}
+    if output_config:
+        params["output_config"] = output_config
+    return params
+
+
+def _json_schema(response_format: Any) -> tuple[str, dict[str, Any] | None]:
+    if not isinstance(response_format, Mapping) or response_format.get("type") != "json_schema":
+        return "output", None  # text / json_object / absent: no schema to enforce
+    spec = response_format.get("json_schema") or {}
+    return str(spec.get("name") or "output"), spec.get("schema")
+
+
+def _texts(content: Any, index: int) -> list[str]:
+    if isinstance(content, str):
+        return [content]
+    return [block["text"] for block in _content(content, index)]
+
+
+def _content(content: Any, index: int) -> str | list[dict[str, Any]]:
+    """OpenAI message content (a string or text parts) → Anthropic content."""
+    if isinstance(content, str):
+        return content
+    blocks: list[dict[str, Any]] = []
+    for part in content or []:
+        if not isinstance(part, Mapping) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            raise TerminalBackendError(
+                f"messages[{index}]: content part {kind!r} is not supported for Anthropic "
+                "(only text parts are)",
+                backend="anthropic",
+            )
+        blocks.append({"type": "text", "text": part["text"]})
+    return blocks
+
+
+def batch_requests(lines: Iterable[str], structured_output: str) -> list[dict[str, Any]]:
+    """Stored OpenAI batch lines → Anthropic batch requests (`custom_id` + `params`).
+
+    Every line repeats the same system prompt, few-shot messages and schema; parsed naively,
+    a 100,000-request shard would hold 100,000 copies of them. Parts equal to the previous
+    line's are replaced by the previous line's objects, so the copies are shared.
+    """
+    out = []
+    shared: dict[str, Any] = {}
+    for line in lines:
+        item = orjson.loads(line)
+        body = item["body"]
+        messages = body.get("messages") or []
+        seen = shared.get("messages") or []
+        body["messages"] = [
+            seen[i] if i < len(seen) and seen[i] == m else m for i, m in enumerate(messages)
+        ]
+        for key in ("response_format", "output_config"):
+            if key in body and shared.get(key) == body[key]:
+                body[key] = shared[key]
+        shared = body
+        out.append(
+            {
+                "custom_id": item["custom_id"],
+                "params": to_anthropic_params(body, structured_output),
+            }
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- results
+
+
+def message_row(custom_id: str | None, message: Any, structured_output: str) -> dict[str, Any]:
+    """A Messages response (SDK `Message`) → one RESULT_SCHEMA row with status answered.
+
+    raw_text is the text blocks joined, or the forced tool's input as JSON in "tool" mode.
+    Token counts follow OpenAI's convention: input_tokens includes cache writes and reads,
+    cached_tokens is the cache reads.
+    """
+    text: str | None = None
+    if structured_output == "tool":
+        tool = next((b for b in message.content if b.type == "tool_use"), None)
+        if tool is not None:
+            text = orjson.dumps(tool.input).decode()
+    if text is None:
+        parts = [b.text for b in message.content if b.type == "text"]
+        text = "".join(parts) if parts else None
+    usage = message.usage
+    cache_write = usage.cache_creation_input_tokens or 0
+    cache_read = usage.cache_read_input_tokens or 0
+    return {
+        "custom_id": custom_id,
+        "status": RequestStatus.ANSWERED.value,
+        "raw_text": text,
+        "finish_reason": finish_reason(message.stop_reason),
+        "error": f"refusal: {text or ''}" if message.stop_reason == "refusal" else None,
+        "input_tokens": usage.input_tokens + cache_write + cache_read,
+        "cached_tokens": cache_read,
+        "output_tokens": usage.output_tokens,
+    }
+
+
+def result_row(item: Any, structured_output: str) -> dict[str, Any]:
+    """One batch result (SDK `MessageBatchIndividualResponse`) → one RESULT_SCHEMA row."""
+    result = item.result
+    if result.type == "succeeded":
+        return message_row(item.custom_id, result.message, structured_output)
+    row: dict[str, Any] = dict.fromkeys(RESULT_SCHEMA)
+    row["custom_id"] = item.custom_id
+    if result.type == "errored":
+        err = result.error.error
+        row["status"] = RequestStatus.PROVIDER_ERROR.value
+        row["error"] = f"{err.type}: {err.message}"
+    elif result.type == "canceled":
+        row["status"] = RequestStatus.CANCELLED.value
+        row["error"] = "canceled: the batch was canceled before this request ran"
+    elif result.type == "expired":
+        row["status"] = RequestStatus.EXPIRED.value
+        row["error"] = "expired: the batch's 24 h window closed before this request ran"
+    else:
+        row["status"] = RequestStatus.PROVIDER_ERROR.value
+        row["error"] = f"unknown Anthropic result type {result.type!r}"
+    return row
+
+
+def rows_frame(rows: Iterable[dict[str, Any]]) -> pl.DataFrame:
+    return pl.DataFrame(list(rows), schema=RESULT_SCHEMA, orient="row")
+
+
+# --------------------------------------------------------------------------- backend
+
+
+class AnthropicBatchBackend:
+    """Message Batches through `client.messages.batches`; `client` decides where they go.
+
+    `structured_output` picks how the output schema is enforced: "output_config" (JSON outputs,
+    the default) or "tool" (a strict forced tool, for models without JSON outputs).
+    """
+
+    def __init__(
+        self,
+        client: anthropic.Anthropic,
+        structured_output: str | None = None,
+        capabilities: Capabilities = CAPABILITIES,
+        results_attempts: int = RESULTS_ATTEMPTS,
+    ):
+        mode = structured_output or capabilities.structured_output
+        if mode not in STRUCTURED_OUTPUT_MODES:
+            raise TerminalBackendError(
+                f"unknown structured_output {mode!r} for backend 'anthropic'; "
+                f"known: {', '.join(STRUCTURED_OUTPUT_MODES)}",
+                backend="anthropic",
+            )
+        self.client = client
+        self.structured_output = mode
+        self.capabilities = dataclasses.replace(capabilities, structured_output=mode)
+        self.results_attempts = results_attempts
+
+    def _call(self, operation: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except anthropic.AnthropicError as e:
+            raise translate(e, operation) from e
+
+    def upload(self, batch_id: str, lines: list[str]) -> None:
+        """No upload step: Anthropic takes the requests inline with create."""
+        return None
+
+    def create(self, batch_id: str, input_file_id: str | None, lines: list[str]) -> str:
+        requests = batch_requests(lines, self.structured_output)
+        batch = self._call(
+            "create",
+            lambda: self.client.messages.batches.create(requests=requests),  # type: ignore[arg-type]
+        )
+        return batch.id
+
+    def find(
+        self,
+        batch_id: str,
+        n_requests: int,
+        not_before: float,
+        *,
+        exclude: Collection[str] = (),
+    ) -> str | None:
+        """The newest batch of exactly `n_requests` requests created at or after
+        `not_before - FIND_SLACK_S` (unix seconds), or None.
+
+        Limitation: Anthropic batches carry no metadata, so lowtide's `batch_id` cannot be
+        checked. Two batches of the same size created within that window are told apart only
+        by `exclude` (provider ids already recorded for other lowtide batches); otherwise the
+        newest wins, which is right when the crash came right after this batch's create call.
+        """
+        cutoff = not_before - FIND_SLACK_S
+
+        def scan() -> str | None:
+            for b in self.client.messages.batches.list(limit=100):  # newest first
+                if b.created_at.timestamp() < cutoff:
+                    return None
+                if b.id not in exclude and sum(_counts(b).values()) == n_requests:
+                    return b.id
+            return None
+
+        return self._call("find", scan)
+
+    def poll(self, provider_batch_id: str) -> BatchState:
+        """The batch's status and counts. Once it has ended, `output_file_id` holds the batch
+        id (Anthropic has no result files: results are streamed per batch), which is what
+        `results` reads."""
+        b = self._call("poll", lambda: self.client.messages.batches.retrieve(provider_batch_id))
+        counts = _counts(b)
+        return BatchState(
+            status=map_status(b.processing_status, counts),
+            provider_status=b.processing_status,
+            counts={**counts, "total": sum(counts.values())},
+            output_file_id=b.id if b.results_url else None,
+        )
+
+    def results(self, state: BatchState) -> pl.DataFrame:
+        """Every result of the ended batch named by `state.output_file_id`, one row per
+        custom_id. A stream cut mid-way is requested again (up to `results_attempts` times),
+        keeping the first result seen for each custom_id; then TransientBackendError."""
+        provider_batch_id = state.output_file_id
+        if not provider_batch_id:
+            return pl.DataFrame(schema=RESULT_SCHEMA)
+        rows: dict[str, dict[str, Any]] = {}
+
+        def one_pass() -> None:
+            stream = self.client.messages.batches.results(provider_batch_id)
+            try:
+                for item in stream:
+                    if item.custom_id not in rows:
+                        rows[item.custom_id] = result_row(item, self.structured_output)
+            finally:
+                stream.close()
+
+        retrying = Retrying(
+            retry=retry_if_exception_type(httpx2.TransportError),
+            stop=stop_after_attempt(self.results_attempts),
+            wait=wait_exponential_jitter(initial=0.05, max=2.0),
+            reraise=True,
+        )
+        try:
+            retrying(one_pass)
+        except httpx2.TransportError as e:
+            raise TransientBackendError(
+                f"download: the results stream of {provider_batch_id} was cut "
+                f"{self.results_attempts} times ({len(rows)} results read so far): {e!r}",
+                backend="anthropic",
+                operation="download",
+            ) from e
+        except anthropic.AnthropicError as e:
+            raise translate(e, "download") from e
+        return rows_frame(rows.values())
+
+    def cancel(self, provider_batch_id: str) -> None:
+        self._call("cancel", lambda: self.client.messages.batches.cancel(provider_batch_id))
+
+
+def _counts(batch: Any) -> dict[str, int]:
+    c = batch.request_counts
+    return {
+        "processing": c.processing,
+        "succeeded": c.succeeded,
+        "errored": c.errored,
+        "canceled": c.canceled,
+        "expired": c.expired,
+    }
+
+
+def from_environment(structured_output: str | None = None) -> AnthropicBatchBackend:
+    """The real Anthropic backend; honours ANTHROPIC_API_KEY and ANTHROPIC_BASE_URL like the
+    SDK does."""
+    if not os.environ.get("ANTHROPIC_API_KEY"):
+        raise TerminalBackendError(
+            "No API key for backend 'anthropic': set ANTHROPIC_API_KEY "
+            "(looked in: environment). For a dry run without keys use --backend emulator.",
+            backend="anthropic",
+        )
+    return AnthropicBatchBackend(
+        anthropic.Anthropic(api_key=os.environ["ANTHROPIC_API_KEY"]), structured_output
+    )
+
+
+def for_base_url(
+    base_url: str, api_key: str = "emulator", structured_output: str | None = None
+) -> AnthropicBatchBackend:
+    return AnthropicBatchBackend(
+        anthropic.Anthropic(base_url=base_url, api_key=api_key), structured_output
+    )
