@@ -105,6 +105,18 @@ class CostSpec(_Strict):
     budget_usd: float | None = Field(None, gt=0)
 
 
+class RetrySpec(_Strict):
+    """What happens to requests that did not come back answered."""
+
+    max_attempts: int = Field(3, ge=1)  # batch attempts per request (errored, expired, cancelled)
+    realtime_fallback: bool = True  # after the last batch attempt, try once through realtime
+    deadline_hours: float | None = Field(None, gt=0)  # past this, stragglers go realtime at once
+    reask: bool = True  # re-ask unparseable or cut-off answers once, with a larger max_tokens
+    reask_via: Literal["batch", "realtime"] = "batch"
+    reask_max_tokens_factor: float = Field(2.0, ge=1.0)
+    realtime_concurrency: int = Field(8, ge=1)
+
+
 class PoolSpec(_Strict):
     """A pool of OpenAI-compatible servers (vLLM, SGLang, ...) for backend 'vllm'."""
 
@@ -133,6 +145,7 @@ class JobSpec(_Strict):
     qa: QaSpec = Field(default_factory=QaSpec)
     cost: CostSpec = Field(default_factory=CostSpec)
     pool: PoolSpec = Field(default_factory=PoolSpec)
+    retry: RetrySpec = Field(default_factory=RetrySpec)
 
     # filled by load_job, not by the file
     source_path: str = ""

@@ -121,14 +121,23 @@ def plan_batches(
     max_bytes: int,
     attempt: int = 1,
     first_shard: int = 0,
+    prebuilt: bool = False,
 ) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
-    """(requests with lines, batches, members) ready for the write-ahead manifest."""
-    reqs = requests.with_columns(
-        openai_lines(job, requests).alias("line"),
-        estimate_input_tokens(job, requests).alias("est_input_tokens"),
-        pl.lit(job.name).alias("job"),
-        pl.lit(job.model.name).alias("model"),
-    )
+    """(requests with lines, batches, members) ready for the write-ahead manifest.
+
+    With `prebuilt`, `requests` already carries its `line` and `est_input_tokens` (a retry
+    round resubmits the stored lines unchanged)."""
+    if prebuilt:
+        reqs = requests.with_columns(
+            pl.lit(job.name).alias("job"), pl.lit(job.model.name).alias("model")
+        )
+    else:
+        reqs = requests.with_columns(
+            openai_lines(job, requests).alias("line"),
+            estimate_input_tokens(job, requests).alias("est_input_tokens"),
+            pl.lit(job.name).alias("job"),
+            pl.lit(job.model.name).alias("model"),
+        )
     reqs = reqs.with_columns(
         (cut_shards(reqs["line"].str.len_bytes(), max_requests, max_bytes) + first_shard).alias(
             "shard"

@@ -161,6 +161,17 @@ MIGRATIONS: list[tuple[int, str, str]] = [
     ),
 ]
 
+MIGRATIONS.append(
+    (
+        2,
+        "results know how they were obtained; re-asks point at the request they repair",
+        """
+        ALTER TABLE results ADD COLUMN channel VARCHAR DEFAULT 'batch';   -- batch | realtime
+        ALTER TABLE requests ADD COLUMN reask_of VARCHAR;                 -- custom_id repaired
+        """,
+    )
+)
+
 LATEST = MIGRATIONS[-1][0]
 
 

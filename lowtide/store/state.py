@@ -20,7 +20,7 @@ import polars as pl
 from lowtide.store import migrations
 
 TERMINAL_BATCH = ("completed", "failed", "expired", "cancelled")
-ANSWERED = ("ok", "repaired")
+ANSWERED = ("ok", "repaired", "reasked")
 
 
 class StateLockedError(RuntimeError):
@@ -211,9 +211,11 @@ class Store:
             con.register("req", requests)
             con.register("bat", batches)
             con.register("mem", members)
+            reask = ", reask_of" if "reask_of" in requests.columns else ""
             con.execute(
                 "INSERT OR IGNORE INTO requests BY NAME SELECT custom_id, request_key, job, model, "
-                "?::VARCHAR AS first_run_id, est_input_tokens, line, now() AS created_at FROM req",
+                f"?::VARCHAR AS first_run_id, est_input_tokens, line, now() AS created_at{reask} "
+                "FROM req",
                 [run_id],
             )
             con.execute(
@@ -293,6 +295,64 @@ class Store:
                     f"INSERT INTO {table} BY NAME SELECT ?::VARCHAR AS run_id, * FROM incoming",
                     [run_id],
                 )
+
+    def run_request_outcomes(self, run_id: str) -> pl.DataFrame:
+        """Every request this run sent, with its outcome and how often it was tried."""
+        return self.query(
+            """
+            WITH mine AS (
+                SELECT DISTINCT br.custom_id FROM batch_requests br JOIN batches b USING (batch_id)
+                WHERE b.run_id = ?
+            ), tries AS (
+                SELECT br.custom_id,
+                       count(*) FILTER (WHERE b.backend <> 'realtime') AS batch_attempts,
+                       count(*) FILTER (WHERE b.backend = 'realtime') AS realtime_attempts
+                FROM batch_requests br JOIN batches b USING (batch_id)
+                WHERE br.custom_id IN (SELECT custom_id FROM mine) GROUP BY 1
+            )
+            SELECT m.custom_id, r.outcome, r.error, r.finish_reason,
+                   t.batch_attempts, t.realtime_attempts,
+                   (q.reask_of IS NOT NULL
+                    OR EXISTS (SELECT 1 FROM requests x WHERE x.reask_of = m.custom_id)) AS has_reask
+            FROM mine m
+            JOIN tries t USING (custom_id)
+            LEFT JOIN results r USING (custom_id)
+            LEFT JOIN requests q USING (custom_id)
+            """,
+            [run_id],
+        )
+
+    def request_lines(self, custom_ids: list[str]) -> pl.DataFrame:
+        with self.connect() as con:
+            con.register(
+                "wanted", pl.DataFrame({"custom_id": custom_ids}, schema={"custom_id": pl.String})
+            )
+            return frame(
+                con,
+                "SELECT q.custom_id, q.request_key, q.line, q.est_input_tokens, r.error, "
+                "r.finish_reason FROM requests q JOIN wanted USING (custom_id) "
+                "LEFT JOIN results r USING (custom_id)",
+            )
+
+    def fold_reasks(self) -> None:
+        """A re-ask's valid answer repairs the request it re-asked; a failed one adds its reason."""
+        with self.transaction() as con:
+            con.execute(
+                f"""
+                UPDATE results SET outcome = 'reasked', output = a.output, error = NULL
+                FROM requests q JOIN results a ON a.custom_id = q.custom_id
+                WHERE q.reask_of = results.custom_id AND a.outcome IN {ANSWERED}
+                  AND results.outcome = 'parse_failed'
+                """
+            )
+            con.execute(
+                f"""
+                UPDATE results SET error = results.error || '; re-ask: ' || coalesce(a.error, a.outcome)
+                FROM requests q JOIN results a ON a.custom_id = q.custom_id
+                WHERE q.reask_of = results.custom_id AND a.outcome NOT IN {ANSWERED}
+                  AND results.outcome = 'parse_failed' AND results.error NOT LIKE '%; re-ask: %'
+                """
+            )
 
     def run_unit_outcomes(self, run_id: str) -> pl.DataFrame:
         """Every unit of a run with its request's outcome (null if not answered yet)."""

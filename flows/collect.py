@@ -1,0 +1,43 @@
+"""collect: finish every in-flight run in the store, once; meant to run on a schedule.
+
+For each unfinished run that has batches: submit what is pending, poll once, collect ended
+batches, start retries, and finish (score, price, publish) the runs whose requests all ended.
+Holds no worker while providers work: each call is a few seconds, then it exits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from flows.common import RunContext, drive_run, emulator_for, finish_run, price_for, summary
+from lowtide.jobspec import load_job
+from lowtide.settings import Settings
+from lowtide.store.state import Store
+
+
+@flow(name="collect", flow_run_name="collect", log_prints=False)
+def collect(
+    state: str | None = None, db: str | None = None, emulator_url: str | None = None
+) -> list[dict[str, Any]]:
+    """One pass over in-flight runs; returns a summary per run it touched."""
+    settings = Settings().with_overrides(state=state, db=db)
+    if not settings.state.is_file():
+        return []
+    store = Store(settings.state, settings.lock_timeout_s)
+    runs = store.query(
+        "SELECT run_id, job_file, backend FROM runs WHERE status IN ('submitted', 'running', "
+        "'cancelling') AND run_id IN (SELECT run_id FROM batches) ORDER BY started_at"
+    )
+    touched = []
+    for run in runs.iter_rows(named=True):
+        job = load_job(run["job_file"], run["backend"])
+        with emulator_for(run["backend"], emulator_url) as emu_url:
+            ctx = RunContext(
+                settings, store, run["backend"], emu_url, price_for(job, run["backend"])
+            )
+            if drive_run(job, ctx, run["run_id"], wait=False):
+                finish_run(job, ctx, run["run_id"])
+        touched.append(summary(store, run["run_id"], settings))
+    return touched
