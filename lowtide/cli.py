@@ -34,13 +34,8 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-def _run_job(
-    job_file: Path,
-    backend: str | None,
-    db: Path | None,
-    wait: bool,
-    emulator_url: str | None = None,
-) -> dict[str, Any]:
+def _with_progress(call):  # noqa: ANN001, ANN202 - any flow call
+    """Run a flow call with a live progress display; known errors become one clear line."""
     _prefect_env()
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -70,15 +65,7 @@ def _run_job(
 
         progress_channel.set_reporter(show)
         try:
-            from flows.enrich import enrich
-
-            return enrich(
-                job_file=str(job_file),
-                backend=backend,
-                db=str(db) if db else None,
-                wait=wait,
-                emulator_url=emulator_url,
-            )
+            return call()
         except (
             JobFileError,
             InputError,
@@ -90,6 +77,27 @@ def _run_job(
             raise _fail(str(e)) from e
         finally:
             progress_channel.set_reporter(None)
+
+
+def _run_job(
+    job_file: Path,
+    backend: str | None,
+    db: Path | None,
+    wait: bool,
+    emulator_url: str | None = None,
+) -> dict[str, Any]:
+    def call() -> dict[str, Any]:
+        from flows.enrich import enrich
+
+        return enrich(
+            job_file=str(job_file),
+            backend=backend,
+            db=str(db) if db else None,
+            wait=wait,
+            emulator_url=emulator_url,
+        )
+
+    return _with_progress(call)
 
 
 def _print_summary(s: dict[str, Any]) -> None:
@@ -147,8 +155,9 @@ def _print_summary(s: dict[str, Any]) -> None:
         console.print("[green]Every request was answered by an earlier run: nothing was sent.[/]")
 
 
-def _exit_for(summary: dict[str, Any]) -> None:
-    if summary.get("status") != "completed":
+def _exit_for(summary: dict[str, Any], wait: bool = True) -> None:
+    done = summary.get("status") in ("completed", "cancelled")
+    if not done and not (not wait and summary.get("status") == "submitted"):
         raise typer.Exit(1)
 
 
@@ -162,12 +171,133 @@ def run(
         Path | None,
         typer.Option(help="Published DuckDB file (default lowtide.duckdb, or LOWTIDE_DB)."),
     ] = None,
-    wait: Annotated[bool, typer.Option(help="Wait for batches to finish (default).")] = True,
+    wait: Annotated[
+        bool,
+        typer.Option(
+            "--wait/--no-wait",
+            help="Wait for batches to finish (default), or exit after submitting and let "
+            "`lowtide collect` finish the run.",
+        ),
+    ] = True,
 ) -> None:
-    """Run one job end to end; exits 0 when every row ended succeeded or failed with a reason."""
+    """Run one job end to end; exits 0 when every row ended succeeded or failed with a reason
+    (with --no-wait: when the batches were submitted)."""
     summary = _run_job(job_file, backend, db, wait)
-    _print_summary(summary)
-    _exit_for(summary)
+    if summary.get("status") == "submitted":
+        console.print(
+            f"run {summary['run_id']}: {summary.get('requests_sent')} requests submitted; "
+            "`lowtide collect` finishes it (schedule it every few minutes)."
+        )
+    else:
+        _print_summary(summary)
+    _exit_for(summary, wait)
+
+
+@app.command()
+def collect(
+    db: Annotated[Path | None, typer.Option(help="Published DuckDB file.")] = None,
+) -> None:
+    """Poll every in-flight run once, finish the batches that ended, and exit."""
+
+    def call() -> list[dict[str, Any]]:
+        from flows.collect import collect as collect_flow
+
+        return collect_flow(db=str(db) if db else None)
+
+    touched = _with_progress(call)
+    if not touched:
+        console.print("nothing in flight")
+    for s in touched:
+        if s.get("status") in ("completed", "cancelled"):
+            _print_summary(s)
+        else:
+            console.print(f"run {s['run_id']}: {s['status']}, still waiting on the provider")
+
+
+@app.command()
+def cancel(
+    run_id: Annotated[str, typer.Argument(help="The run whose in-flight batches to cancel.")],
+) -> None:
+    """Cancel a run's in-flight batches; `lowtide collect` then records what finished."""
+    from lowtide.backends import make_backend
+    from lowtide.backends.base import BackendError
+    from lowtide.settings import Settings
+    from lowtide.store.state import Store
+
+    settings = Settings()
+    store = Store(settings.state, settings.lock_timeout_s)
+    run = store.get_run(run_id)
+    if run is None:
+        raise _fail(f"no run {run_id!r} in {settings.state}")
+    live = store.query(
+        "SELECT batch_id, provider_batch_id FROM batches WHERE run_id = ? AND provider_batch_id "
+        "IS NOT NULL AND status NOT IN ('completed', 'failed', 'expired', 'cancelled')",
+        [run_id],
+    )
+    try:
+        backend = make_backend(run["backend"], emulator_url=os.environ.get("LOWTIDE_EMULATOR_URL"))
+        for b in live.iter_rows(named=True):
+            backend.cancel(b["provider_batch_id"])
+    except BackendError as e:
+        raise _fail(str(e)) from e
+    store.update_run(run_id, status="cancelling")
+    console.print(
+        f"run {run_id}: cancel sent for {live.height} batch(es); finished work is kept. "
+        "Run `lowtide collect` to record the outcome."
+    )
+
+
+@app.command()
+def publish(
+    run_id: Annotated[
+        str, typer.Argument(help="The run to publish (e.g. one held by the eval gate).")
+    ],
+    db: Annotated[Path | None, typer.Option(help="Published DuckDB file.")] = None,
+) -> None:
+    """Make a finished run the one the job view shows, and rebuild the published file."""
+    from datetime import UTC, datetime
+
+    from lowtide.settings import Settings
+    from lowtide.store.publish import publish as publish_file
+    from lowtide.store.state import Store
+
+    settings = Settings().with_overrides(db=db)
+    store = Store(settings.state, settings.lock_timeout_s)
+    run = store.get_run(run_id)
+    if run is None:
+        raise _fail(f"no run {run_id!r} in {settings.state}")
+    if run["status"] not in ("completed", "held", "cancelled"):
+        raise _fail(f"run {run_id} is {run['status']}; only a finished run can be published")
+    store.update_run(
+        run_id,
+        status="completed" if run["status"] == "held" else run["status"],
+        published_at=datetime.now(UTC).replace(tzinfo=None),
+    )
+    path = publish_file(store, settings.db, store.job_views())
+    console.print(f"run {run_id} published to {path}")
+
+
+@app.command()
+def export(
+    run_id: Annotated[str, typer.Argument(help="The run to export.")],
+    format: Annotated[str, typer.Option("--format", help="parquet | csv | jsonl")] = "parquet",
+    out: Annotated[
+        Path | None, typer.Option(help="Output file (default <run_id>.<format>).")
+    ] = None,
+) -> None:
+    """Write a run's rows as the job view shows them (source columns and typed outputs)."""
+    from lowtide.settings import Settings
+    from lowtide.store.export import export_run
+
+    if format not in ("parquet", "csv", "jsonl"):
+        raise _fail(f"unknown format {format!r}; use parquet, csv or jsonl")
+    settings = Settings()
+    target = out or Path(f"{run_id}.{format}")
+    try:
+        rows = export_run(settings, run_id, target, format)
+    except LookupError as e:
+        raise _fail(str(e)) from e
+    console.print(f"{rows} rows written to {target}")
 
 
 @app.command()

@@ -68,6 +68,7 @@ def join_task(
             provider_status=batch["provider_status"] or "",
             output_file_id=batch["output_file_id"],
             error_file_id=batch["error_file_id"],
+            provider_batch_id=batch["provider_batch_id"],
         )
         returned = backend.results(state)
     crash_point("during_download")

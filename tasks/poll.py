@@ -47,13 +47,19 @@ def poll_once(store: Store, backend: Backend, run_id: str) -> tuple[int, int]:
             terminal += 1
             done_requests += b["n_requests"]
         else:
-            done_requests += int(state.counts.get("completed", 0)) + int(
-                state.counts.get("failed", 0)
-            )
+            done_requests += _finished(state.counts, b["n_requests"])
     progress.report(
         "batches", done_requests, total_requests, f"{terminal}/{batches.height} batches ended"
     )
     return terminal, batches.height
+
+
+def _finished(counts: dict[str, int], n_requests: int) -> int:
+    """Requests finished so far: OpenAI counts completed/failed as they go; Anthropic only
+    moves `processing` until the batch ends."""
+    if "processing" in counts:
+        return max(0, n_requests - int(counts["processing"]))
+    return int(counts.get("completed", 0)) + int(counts.get("failed", 0))
 
 
 @task(

@@ -24,7 +24,12 @@ def submit_batch(store: Store, backend: Backend, batch_id: str) -> str:
     input_file_id = row["input_file_id"]
     if row["status"] == BatchStatus.UPLOADED.value:
         # the create call may have reached the provider just before a crash: ask first
-        found = backend.find(batch_id, row["n_requests"], row["updated_at"].timestamp())
+        claimed = store.query(
+            "SELECT provider_batch_id FROM batches WHERE provider_batch_id IS NOT NULL"
+        )["provider_batch_id"].to_list()
+        found = backend.find(
+            batch_id, row["n_requests"], row["updated_at"].timestamp(), exclude=tuple(claimed)
+        )
         if found:
             store.update_batch(
                 batch_id, provider_batch_id=found, status=BatchStatus.VALIDATING.value

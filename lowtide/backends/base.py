@@ -80,6 +80,7 @@ class BatchState:
     error_file_id: str | None = None
     errors: list[dict[str, Any]] = field(default_factory=list)
     usage: dict[str, int] | None = None
+    provider_batch_id: str | None = None
 
 
 RESULT_SCHEMA = {
@@ -110,9 +111,12 @@ class Backend(Protocol):
         backends with another wire format translate them here."""
         ...
 
-    def find(self, batch_id: str, n_requests: int, not_before: float) -> str | None:
+    def find(
+        self, batch_id: str, n_requests: int, not_before: float, *, exclude: tuple[str, ...] = ()
+    ) -> str | None:
         """The provider batch already created for this lowtide batch, if any (crash repair):
-        by metadata tag where the provider keeps one, else by size and creation time."""
+        by metadata tag where the provider keeps one, else by size and creation time, skipping
+        provider ids already claimed by other batches (`exclude`)."""
         ...
 
     def poll(self, provider_batch_id: str) -> BatchState: ...

@@ -203,7 +203,14 @@ class OpenAIBatchBackend:
         )
         return batch.id
 
-    def find(self, batch_id: str, n_requests: int = 0, not_before: float = 0.0) -> str | None:
+    def find(
+        self,
+        batch_id: str,
+        n_requests: int = 0,
+        not_before: float = 0.0,
+        *,
+        exclude: tuple[str, ...] = (),
+    ) -> str | None:
         def scan() -> str | None:
             for b in self.client.batches.list(limit=100):
                 if (b.metadata or {}).get(METADATA_KEY) == batch_id:

@@ -41,10 +41,11 @@ def _field_type(spec: dict[str, Any]) -> str:
     return _SQL_TYPES.get(kind, "JSON")
 
 
-def job_view_sql(
-    job: str, view: str, src_table: str, id_column: str, schema: dict[str, Any]
+def job_rows_sql(
+    job: str, src_table: str, id_column: str, schema: dict[str, Any], run_id: str | None = None
 ) -> str:
-    """One row per unit of the job's latest published run: source columns, then typed outputs."""
+    """One row per unit of a run (default: the job's latest published run): source columns,
+    then the output schema's fields as typed columns."""
     fields = []
     for name, spec in schema.get("properties", {}).items():
         sql_type = _field_type(spec if isinstance(spec, dict) else {})
@@ -56,27 +57,40 @@ def job_view_sql(
                 f"TRY_CAST(json_extract_string(r.output, '{path}') AS {sql_type}) AS {_ident(name)}"
             )
     outputs = ",\n       ".join(fields)
-    job_literal = job.replace("'", "''")
+    if run_id is None:
+        job_literal = job.replace("'", "''")
+        chosen = (
+            f"SELECT run_id FROM runs WHERE job = '{job_literal}' AND published_at IS NOT NULL "
+            "ORDER BY published_at DESC LIMIT 1"
+        )
+    else:
+        chosen = "SELECT '" + run_id.replace("'", "''") + "' AS run_id"
     return f"""
-CREATE OR REPLACE VIEW {_ident(view)} AS
-WITH latest AS (
-    SELECT run_id FROM runs WHERE job = '{job_literal}' AND published_at IS NOT NULL
-    ORDER BY published_at DESC LIMIT 1
-)
+WITH chosen AS ({chosen})
 SELECT s.source_id AS {_ident(id_column)},
        s.* EXCLUDE (run_id, source_id),
        u.chunk_index, u.n_chunks,
        CASE WHEN r.outcome IN {ANSWERED} THEN 'succeeded' ELSE 'failed' END AS status,
        r.outcome,
        {outputs},
-       coalesce(r.error, CASE WHEN r.outcome IS NULL THEN 'no answer' END) AS failure_reason,
+       CASE WHEN u.custom_id = '' THEN 'empty_text: the row''s text is empty'
+            WHEN r.outcome IN {ANSWERED} THEN NULL
+            ELSE coalesce(r.outcome || ': ' || r.error, r.outcome, 'no answer') END
+           AS failure_reason,
        u.run_id
-FROM latest
-JOIN units u ON u.run_id = latest.run_id AND u.kind = 'row'
+FROM chosen
+JOIN units u ON u.run_id = chosen.run_id AND u.kind = 'row'
 JOIN {_ident(src_table)} s ON s.run_id = u.run_id AND s.source_id = u.source_id
 LEFT JOIN results r ON r.custom_id = u.custom_id
 ORDER BY u.source_id, u.chunk_index
 """
+
+
+def job_view_sql(
+    job: str, view: str, src_table: str, id_column: str, schema: dict[str, Any]
+) -> str:
+    """The job's view in the published file: its latest published run."""
+    return f"CREATE OR REPLACE VIEW {_ident(view)} AS {job_rows_sql(job, src_table, id_column, schema)}"
 
 
 def source_table(view: str) -> str:
