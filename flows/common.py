@@ -264,9 +264,12 @@ def finish_run(job: JobSpec, ctx: RunContext, run_id: str) -> None:
     )
     counts = finalize_task(run_id, ctx.state_path)
     status = "cancelled" if run.get("status") == "cancelling" else "completed"
+    if qa["hold"] and status == "completed":
+        status = "held"  # results are kept; the job view keeps the last published run
     store.update_run(
         run_id,
         status=status,
+        gate_note="; ".join(qa["hold"]) or None,
         finished_at=now(),
         succeeded=counts["succeeded"],
         failed=counts["failed"],
@@ -277,7 +280,9 @@ def finish_run(job: JobSpec, ctx: RunContext, run_id: str) -> None:
         + cost.get("cache_savings_usd", 0.0),
     )
     progress.report("publish")
-    publish_task(run_id, ctx.state_path, str(ctx.settings.db), store.job_views())
+    publish_task(
+        run_id, ctx.state_path, str(ctx.settings.db), store.job_views(), mark=status != "held"
+    )
 
 
 def summary(store: Store, run_id: str, settings: Settings) -> dict[str, Any]:

@@ -89,7 +89,7 @@ def enrich(
                 )
                 raise
         result = summary(store, run_id, settings)
-        if result["status"] in ("completed", "cancelled"):
+        if result["status"] in ("completed", "cancelled", "held"):
             artifacts.update_progress(progress_id, 1, 1)
             artifacts.publish_run_report(result)
         return result

@@ -156,6 +156,12 @@ def _print_summary(s: dict[str, Any]) -> None:
 
 
 def _exit_for(summary: dict[str, Any], wait: bool = True) -> None:
+    if summary.get("status") == "held":
+        err_console.print(
+            f"[bold yellow]held by the eval gate:[/] {summary.get('gate_note')}. The job view still "
+            f"shows the last published run; `lowtide publish {summary['run_id']}` releases this one."
+        )
+        raise typer.Exit(3)
     done = summary.get("status") in ("completed", "cancelled")
     if not done and not (not wait and summary.get("status") == "submitted"):
         raise typer.Exit(1)
@@ -208,7 +214,7 @@ def collect(
     if not touched:
         console.print("nothing in flight")
     for s in touched:
-        if s.get("status") in ("completed", "cancelled"):
+        if s.get("status") in ("completed", "cancelled", "held"):
             _print_summary(s)
         else:
             console.print(f"run {s['run_id']}: {s['status']}, still waiting on the provider")
@@ -376,6 +382,7 @@ STATUS_FIELDS = (
     "finished_at",
     "published_at",
     "error",
+    "gate_note",
 )
 
 
@@ -473,6 +480,52 @@ def emulator(
     finally:
         if pool is not None:
             pool.close()
+
+
+qa_app = typer.Typer(no_args_is_help=True, help="Human review of a run's QA sample.")
+app.add_typer(qa_app, name="qa")
+
+
+@qa_app.command("export")
+def qa_export(
+    run_id: Annotated[str, typer.Argument(help="The run whose QA sample to export.")],
+    out: Annotated[Path, typer.Option(help="CSV file to write.")] = Path("qa-sample.csv"),
+) -> None:
+    """Write the run's QA sample as CSV with empty `verdict` and `correct_value` columns."""
+    from lowtide.qa_review import export_sample
+    from lowtide.settings import Settings
+    from lowtide.store.state import Store
+
+    settings = Settings()
+    try:
+        n = export_sample(Store(settings.state, settings.lock_timeout_s), run_id, out)
+    except LookupError as e:
+        raise _fail(str(e)) from e
+    console.print(
+        f"{n} sampled rows written to {out}. Fill `verdict` with correct or incorrect "
+        "(and `correct_value` where wrong), then `lowtide qa import`."
+    )
+
+
+@qa_app.command("import")
+def qa_import(
+    file: Annotated[Path, typer.Argument(help="The reviewed CSV from `lowtide qa export`.")],
+) -> None:
+    """Record a reviewer's verdicts; prints the reviewed accuracy with a 95% interval."""
+    from lowtide.qa_review import ReviewFileError, import_verdicts
+    from lowtide.settings import Settings
+    from lowtide.store.state import Store
+
+    settings = Settings()
+    try:
+        summary = import_verdicts(Store(settings.state, settings.lock_timeout_s), file)
+    except ReviewFileError as e:
+        raise _fail(str(e)) from e
+    for run_id, v in summary.items():
+        console.print(
+            f"run {run_id}: {v['qa_reviewed']:.0f} reviewed, accuracy {v['qa_reviewed_accuracy']:.1%} "
+            f"(95% CI {v['qa_accuracy_ci_low']:.1%} to {v['qa_accuracy_ci_high']:.1%})"
+        )
 
 
 def main() -> None:

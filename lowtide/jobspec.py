@@ -98,6 +98,9 @@ class QaSpec(_Strict):
     seed: int = 0
     eval_set: str | None = None
     eval_id_column: str = "eval_id"
+    eval_every_run: bool = True  # ask the eval set afresh each run (never from the cache)
+    eval_max_drop: float = Field(0.02, ge=0, le=1)  # hold the run if a field's accuracy drops more
+    eval_floor: float | None = Field(None, ge=0, le=1)  # hold the run if a field falls below this
 
 
 class CostSpec(_Strict):

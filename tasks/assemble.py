@@ -92,6 +92,15 @@ def estimate_input_tokens(job: JobSpec, requests: pl.DataFrame) -> pl.Series:
     ]
 
 
+def expected_output_tokens(job: JobSpec) -> int:
+    """Per-request output estimate: the few-shot answers' mean length when the job has examples
+    (they show the answer's shape), else half of max_tokens."""
+    answers = [e.assistant for e in job.prompt.examples]
+    if answers:
+        return round(sum(count_tokens(a) for a in answers) / len(answers)) + 2
+    return max(1, job.model.max_tokens // 2)
+
+
 def cut_shards(line_bytes: pl.Series, max_requests: int, max_bytes: int) -> pl.Series:
     """Shard number per line: contiguous shards within both limits."""
     if line_bytes.is_empty():
@@ -186,7 +195,7 @@ def assemble_task(
         job, run_id, requests, backend=backend, max_requests=max_requests, max_bytes=max_bytes
     )
     est_in = int(reqs["est_input_tokens"].sum())
-    est_out = int(requests.height * max(1, job.model.max_tokens // 2))
+    est_out = requests.height * expected_output_tokens(job)
     estimate = (
         est_in * price_per_mtok.get("input", 0.0) + est_out * price_per_mtok.get("output", 0.0)
     ) / 1e6

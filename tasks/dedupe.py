@@ -75,7 +75,19 @@ def unique_requests(keyed: pl.DataFrame) -> pl.DataFrame:
 @task(name="dedupe", task_run_name="dedupe-{job.name}")
 def dedupe_task(job: JobSpec, chunked: dict, work_dir: str, state_path: str, run_id: str) -> dict:
     units = pl.read_parquet(chunked["units"])
-    keyed = request_keys(units, job.prompt.user_template, job.prompt_fingerprint())
+    fingerprint = job.prompt_fingerprint()
+    rows = units.filter(pl.col("kind") == "row")
+    evals = units.filter(pl.col("kind") == "eval")
+    # The eval set is asked afresh in every run (its keys carry the run id): a cached answer
+    # could not reveal that the provider's model changed under the same name.
+    eval_fingerprint = f"{fingerprint}:eval:{run_id}" if job.qa.eval_every_run else fingerprint
+    keyed = pl.concat(
+        [
+            request_keys(rows, job.prompt.user_template, fingerprint),
+            request_keys(evals, job.prompt.user_template, eval_fingerprint),
+        ],
+        how="diagonal_relaxed",
+    )
     # empty units have no request: they end as failed rows with a reason
     keyed = keyed.with_columns(
         pl.when(pl.col("text").str.len_bytes() > 0)

@@ -58,10 +58,14 @@ def finalize_task(run_id: str, state_path: str) -> dict:
 
 
 @task(name="publish", task_run_name="publish-{run_id}")
-def publish_task(run_id: str, state_path: str, db_path: str, views: list[dict]) -> str:
-    """Mark the run published and rebuild the analysts' file atomically."""
+def publish_task(
+    run_id: str, state_path: str, db_path: str, views: list[dict], mark: bool = True
+) -> str:
+    """Rebuild the analysts' file atomically; with `mark`, the run becomes the one job views show
+    (a run held by the eval gate is rebuilt into the tables but not shown in the view)."""
     store = Store(state_path)
-    store.update_run(run_id, published_at=_now())
+    if mark:
+        store.update_run(run_id, published_at=_now())
     return str(publish(store, db_path, views))
 
 

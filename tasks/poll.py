@@ -42,6 +42,7 @@ def poll_once(store: Store, backend: Backend, run_id: str) -> tuple[int, int]:
             error_file_id=state.error_file_id,
             request_counts=orjson.dumps(state.counts).decode(),
             errors=orjson.dumps(state.errors).decode() if state.errors else None,
+            usage=orjson.dumps(state.usage).decode() if state.usage else None,
         )
         if state.status.terminal:
             terminal += 1

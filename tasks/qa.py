@@ -16,30 +16,42 @@ from lowtide.jobspec import JobSpec
 from lowtide.store.state import ANSWERED, Store
 
 
-def sample_mask(unit_ids: pl.Series, rate: float, seed: int) -> pl.Series:
-    """True for the units in the sample: md5(seed:unit_id) read as a fraction below `rate`."""
+def sample_order(unit_ids: pl.Series, seed: int) -> pl.Series:
+    """A stable pseudo-random rank key per unit: md5(seed:unit_id) as a fraction in [0, 1)."""
     con = duckdb.connect()
     try:
-        con.register("u", pl.DataFrame({"unit_id": unit_ids}))
-        picked = con.sql(
-            "SELECT (('0x' || substr(md5(?::VARCHAR || ':' || unit_id), 1, 8))::BIGINT "
-            "/ 4294967296.0) < ? AS keep FROM u",
-            params=[str(seed), rate],
+        con.register("u", pl.DataFrame({"unit_id": unit_ids}, schema={"unit_id": pl.String}))
+        keys = con.sql(
+            "SELECT ('0x' || substr(md5(?::VARCHAR || ':' || unit_id), 1, 8))::BIGINT "
+            "/ 4294967296.0 AS k FROM u",
+            params=[str(seed)],
         ).to_arrow_table()
     finally:
         con.close()
-    return pl.Series("keep", picked.column("keep").to_pylist(), dtype=pl.Boolean)
+    return pl.Series("k", keys.column("k").to_pylist(), dtype=pl.Float64)
 
 
-def qa_sample(outcomes: pl.DataFrame, rate: float, seed: int) -> pl.DataFrame:
+def qa_sample(
+    outcomes: pl.DataFrame, rate: float, seed: int, stratify_by: str | None = None
+) -> pl.DataFrame:
+    """The review sample: `rate` of the answered rows, the same for the same seed.
+
+    With `stratify_by` (an enum output field), each label gets its share of the sample and at
+    least one unit, so rare labels are reviewed too.
+    """
+    empty = pl.DataFrame(schema={"unit_id": pl.String, "source_id": pl.String, "output": pl.String})
     rows = outcomes.filter((pl.col("kind") == "row") & pl.col("outcome").is_in(ANSWERED))
     if rows.is_empty() or rate <= 0:
-        return pl.DataFrame(
-            schema={"unit_id": pl.String, "source_id": pl.String, "output": pl.String}
-        )
-    return rows.filter(sample_mask(rows["unit_id"], rate, seed)).select(
-        "unit_id", "source_id", "output"
+        return empty
+    rows = rows.with_columns(sample_order(rows["unit_id"], seed).alias("_k"))
+    if stratify_by is None:
+        return rows.filter(pl.col("_k") < rate).select("unit_id", "source_id", "output")
+    rows = rows.with_columns(
+        pl.col("output").str.json_path_match(f"$.{stratify_by}").alias("_label")
     )
+    quota = (pl.len().over("_label") * rate).round().clip(lower_bound=1)
+    picked = rows.filter(pl.col("_k").rank("ordinal").over("_label") <= quota)
+    return picked.sort("unit_id").select("unit_id", "source_id", "output")
 
 
 def eval_scores(
@@ -79,13 +91,37 @@ def eval_scores(
     )
 
 
+def eval_gate(
+    current: pl.DataFrame, previous: pl.DataFrame | None, max_drop: float, floor: float | None
+) -> list[str]:
+    """Reasons to hold a run: a field whose accuracy fell more than `max_drop` below the last
+    published run, or below `floor`. Empty when the run may be published."""
+    reasons = []
+    before = (
+        {} if previous is None else dict(zip(previous["field"], previous["accuracy"], strict=True))
+    )
+    for field, acc in zip(current["field"], current["accuracy"], strict=True):
+        if acc is None:
+            continue
+        prev = before.get(field)
+        if prev is not None and prev - acc > max_drop + 1e-12:
+            reasons.append(
+                f"{field} accuracy fell {100 * (prev - acc):.1f} points ({prev:.1%} → {acc:.1%}), "
+                f"more than the {100 * max_drop:.1f} allowed"
+            )
+        if floor is not None and acc < floor:
+            reasons.append(f"{field} accuracy {acc:.1%} is below the floor {floor:.1%}")
+    return reasons
+
+
 @task(name="qa", task_run_name="qa-{run_id}")
 def qa_task(job: JobSpec, run_id: str, state_path: str, eval_path: str | None) -> dict:
     store = Store(state_path)
     outcomes = store.run_unit_outcomes(run_id)
-    sample = qa_sample(outcomes, job.qa.sample_rate, job.qa.seed)
+    enums = list(job.enum_fields())
+    sample = qa_sample(outcomes, job.qa.sample_rate, job.qa.seed, enums[0] if enums else None)
     store.replace_rows("qa_samples", run_id, sample)
-    result: dict = {"qa_samples": sample.height, "eval_accuracy": None}
+    result: dict = {"qa_samples": sample.height, "eval_accuracy": None, "hold": []}
     if eval_path:
         gold = pl.read_parquet(eval_path)
         fields = [f for f in job.output_schema.get("properties", {}) if f in gold.columns]
@@ -95,5 +131,17 @@ def qa_task(job: JobSpec, run_id: str, state_path: str, eval_path: str | None) -
             result["eval_accuracy"] = float(scores["accuracy"].mean())  # type: ignore[arg-type]
             result["eval_by_field"] = dict(
                 zip(scores["field"].to_list(), scores["accuracy"].to_list(), strict=True)
+            )
+            previous = store.query(
+                "SELECT field, accuracy FROM eval_scores WHERE run_id = (SELECT run_id FROM runs "
+                "WHERE job = ? AND published_at IS NOT NULL AND run_id <> ? "
+                "ORDER BY published_at DESC LIMIT 1)",
+                [job.name, run_id],
+            )
+            result["hold"] = eval_gate(
+                scores,
+                previous if previous.height else None,
+                job.qa.eval_max_drop,
+                job.qa.eval_floor,
             )
     return result

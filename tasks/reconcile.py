@@ -1,14 +1,18 @@
 """reconcile: provider-reported usage × the dated price table → the run's cost ledger and numbers.
 
-Actual cost uses the batch price (and the cached-input price for cached tokens). The realtime
-counterfactual prices the same tokens at list price; savings are broken down into the batch
-discount, dedupe (units that shared a request) and cache hits (requests answered in earlier runs).
+Every billed request gets its own price (batch price with the cached-input rate, or list price
+for the realtime channel); the `costs` rows per batch and per run are sums of those, so they add
+up to the cent. The realtime counterfactual prices the same tokens at list price; savings are
+broken down into the batch discount, dedupe (units that shared a request) and cache hits
+(requests answered in earlier runs). Where the provider reports batch-level usage, it is kept
+beside lowtide's own sum and any difference is a metric.
 """
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
 
+import orjson
 import polars as pl
 from prefect import task
 
@@ -18,53 +22,103 @@ from lowtide.store.state import ANSWERED, Store
 _TOKENS = ("input_tokens", "cached_tokens", "output_tokens")
 
 
-def _priced(frame: pl.DataFrame, price: Price) -> tuple[float, float]:
-    sums = {c: int(frame[c].fill_null(0).sum()) for c in _TOKENS}
-    return (
-        price.cost(sums["input_tokens"], sums["cached_tokens"], sums["output_tokens"], batch=True),
-        price.cost(sums["input_tokens"], sums["cached_tokens"], sums["output_tokens"], batch=False),
+def request_costs(results: pl.DataFrame, price: Price) -> pl.DataFrame:
+    """Add `cost_usd` (as billed) and `realtime_usd` (list price) to each result row."""
+    tok = {c: pl.col(c).fill_null(0) for c in _TOKENS}
+    list_usd = (
+        (tok["input_tokens"] - tok["cached_tokens"]).clip(lower_bound=0) * price.input
+        + tok["cached_tokens"] * price.cached_input
+        + tok["output_tokens"] * price.output
+    ) / 1e6
+    batch = pl.col("channel").fill_null("batch") == "batch"
+    return results.with_columns(
+        pl.when(batch).then(list_usd * price.batch_discount).otherwise(list_usd).alias("cost_usd"),
+        list_usd.alias("realtime_usd"),
+    )
+
+
+def _provider_usage(batches: pl.DataFrame) -> pl.DataFrame:
+    rows = []
+    for b in batches.iter_rows(named=True):
+        usage = orjson.loads(b["usage"]) if b.get("usage") else None
+        rows.append(
+            {
+                "batch_id": b["batch_id"],
+                "provider_input_tokens": usage.get("input_tokens") if usage else None,
+                "provider_output_tokens": usage.get("output_tokens") if usage else None,
+            }
+        )
+    return pl.DataFrame(
+        rows,
+        schema={
+            "batch_id": pl.String,
+            "provider_input_tokens": pl.Int64,
+            "provider_output_tokens": pl.Int64,
+        },
     )
 
 
 def cost_rows(
-    billed: pl.DataFrame, price: Price, backend: str, estimate: float | None
+    priced: pl.DataFrame, provider: pl.DataFrame, price: Price, backend: str, estimate: float | None
 ) -> pl.DataFrame:
-    """One `run` row and one row per batch, from the results this run paid for."""
-    rows = []
-    groups = [("run", "", billed)] + [
-        ("batch", str(key[0]), part)
-        for key, part in billed.group_by("batch_id", maintain_order=True)
+    """One `batch` row per batch and one `run` row, each a sum of per-request prices."""
+    sums = [
+        pl.len().alias("requests"),
+        *[pl.col(c).fill_null(0).sum() for c in _TOKENS],
+        pl.col("cost_usd").sum(),
+        pl.col("realtime_usd").sum().alias("realtime_cost_usd"),
     ]
-    for level, batch_id, part in groups:
-        cost, realtime = _priced(part, price)
-        rows.append(
-            {
-                "level": level,
-                "batch_id": batch_id,
-                "backend": backend,
-                "model": price.model,
-                "requests": part.height,
-                **{c: int(part[c].fill_null(0).sum()) for c in _TOKENS},
-                "cost_usd": cost,
-                "realtime_cost_usd": realtime,
-                "estimate_usd": estimate if level == "run" else None,
-                "price_date": price.effective_date,
-            }
+    per_batch = (
+        priced.group_by("batch_id", maintain_order=True)
+        .agg(sums)
+        .join(provider, on="batch_id", how="left")
+        .with_columns(
+            pl.lit("batch").alias("level"), pl.lit(None, pl.Float64).alias("estimate_usd")
         )
-    return pl.DataFrame(rows, schema_overrides={"estimate_usd": pl.Float64})
+    )
+    reported = provider.filter(pl.col("batch_id").is_in(priced["batch_id"].unique().implode()))
+    complete = reported.height and reported["provider_input_tokens"].null_count() == 0
+    run = priced.select(sums).with_columns(
+        pl.lit("run").alias("level"),
+        pl.lit("").alias("batch_id"),
+        pl.lit(estimate, pl.Float64).alias("estimate_usd"),
+        pl.lit(int(reported["provider_input_tokens"].sum()) if complete else None, pl.Int64).alias(
+            "provider_input_tokens"
+        ),
+        pl.lit(int(reported["provider_output_tokens"].sum()) if complete else None, pl.Int64).alias(
+            "provider_output_tokens"
+        ),
+    )
+    return pl.concat([run, per_batch], how="diagonal_relaxed").with_columns(
+        pl.lit(backend).alias("backend"),
+        pl.lit(price.model).alias("model"),
+        pl.lit(price.effective_date).alias("price_date"),
+    )
 
 
 def savings(outcomes: pl.DataFrame, price: Price) -> dict[str, float]:
-    """Realtime dollars not spent thanks to dedupe and to the cross-run cache."""
-    rows = outcomes.filter(pl.col("kind") == "row").filter(pl.col("custom_id") != "")
-    dup = rows.filter(pl.col("custom_id").is_duplicated()).filter(
-        pl.int_range(pl.len()).over("custom_id") > 0
-    )
-    first_cached = rows.filter(pl.col("cache_hit")).unique(subset="custom_id")
-    return {
-        "dedupe_savings_usd": _priced(dup, price)[1],
-        "cache_savings_usd": _priced(first_cached, price)[1],
-    }
+    """Realtime dollars not spent thanks to dedupe and to the cross-run cache: the list price
+    of the tokens that extra units sharing a request, and cache-hit requests, would have cost."""
+    rows = outcomes.filter((pl.col("kind") == "row") & (pl.col("custom_id") != ""))
+    dup = rows.filter(pl.int_range(pl.len()).over("custom_id") > 0)
+    cached = rows.filter(pl.col("cache_hit")).unique(subset="custom_id")
+
+    def listed(frame: pl.DataFrame) -> float:
+        if frame.is_empty():
+            return 0.0
+        return float(
+            request_costs(frame.with_columns(pl.lit("realtime").alias("channel")), price)[
+                "realtime_usd"
+            ].sum()
+        )
+
+    return {"dedupe_savings_usd": listed(dup), "cache_savings_usd": listed(cached)}
+
+
+def _minutes_since(started: datetime | None) -> float | None:
+    if started is None:
+        return None
+    return max((datetime.now(UTC).replace(tzinfo=None) - started).total_seconds() / 60, 1e-9)
 
 
 @task(name="reconcile", task_run_name="reconcile-{run_id}")
@@ -72,35 +126,52 @@ def reconcile_task(
     run_id: str, state_path: str, price: Price, backend: str, estimate_usd: float | None
 ) -> dict:
     store = Store(state_path)
-    billed = store.query(
-        "SELECT * FROM results WHERE run_id = ? AND input_tokens IS NOT NULL", [run_id]
+    billed = request_costs(
+        store.query(
+            "SELECT * FROM results WHERE run_id = ? AND input_tokens IS NOT NULL", [run_id]
+        ),
+        price,
     )
-    costs = cost_rows(billed, price, backend, estimate_usd)
+    with store.transaction() as con:
+        con.register("priced", billed.select("custom_id", "cost_usd"))
+        con.execute(
+            "UPDATE results SET cost_usd = p.cost_usd FROM priced p "
+            "WHERE results.custom_id = p.custom_id"
+        )
+    batches = store.run_batches(run_id)
+    costs = cost_rows(billed, _provider_usage(batches), price, backend, estimate_usd)
     store.replace_rows("costs", run_id, costs)
     run_cost = costs.filter(pl.col("level") == "run").row(0, named=True)
     outcomes = store.run_unit_outcomes(run_id)
-    saved = savings(outcomes, price)
     run = store.get_run(run_id) or {}
-    started = run.get("started_at")
-    minutes = (
-        max((datetime.now(UTC).replace(tzinfo=None) - started).total_seconds() / 60, 1e-9)
-        if started
-        else None
-    )
+    minutes = _minutes_since(run.get("started_at"))
     answered_here = billed.filter(pl.col("outcome").is_in(ANSWERED))
     sent = billed.height
+    ended = batches.filter(pl.col("backend") != "realtime")
+    durations = (
+        (ended["updated_at"] - ended["created_at"]).dt.total_seconds() if ended.height else None
+    )
+    rows = outcomes.filter(pl.col("kind") == "row")
+    mismatch = None
+    if run_cost["provider_input_tokens"] is not None:
+        mismatch = abs(run_cost["provider_input_tokens"] - run_cost["input_tokens"]) + abs(
+            (run_cost["provider_output_tokens"] or 0) - run_cost["output_tokens"]
+        )
     metrics = {
         "completions_per_minute": answered_here.height / minutes if minutes else None,
-        "failure_rate": (
-            outcomes.filter(pl.col("kind") == "row")["outcome"].is_in(ANSWERED).not_().mean()
-            if outcomes.height
-            else 0.0
-        ),
+        "failure_rate": float(rows["outcome"].is_in(ANSWERED).not_().mean())
+        if rows.height
+        else 0.0,  # type: ignore[arg-type]
         "retry_rate": float((billed["attempts"] > 1).mean()) if sent else 0.0,  # type: ignore[arg-type]
         "mean_context_tokens": float(billed["input_tokens"].mean()) if sent else None,  # type: ignore[arg-type]
         "max_output_tokens": float(billed["output_tokens"].max()) if sent else None,  # type: ignore[arg-type]
+        "slowest_batch_s": float(durations.max()) if durations is not None else None,  # type: ignore[arg-type]
+        "longest_unit_tokens": float(rows["unit_tokens"].max())
+        if rows.height and rows["unit_tokens"].max() is not None
+        else None,  # type: ignore[arg-type]
+        "usage_mismatch_tokens": float(mismatch) if mismatch is not None else None,
         "batch_savings_usd": run_cost["realtime_cost_usd"] - run_cost["cost_usd"],
-        **saved,
+        **savings(outcomes, price),
     }
     store.replace_rows(
         "metrics",
@@ -116,8 +187,5 @@ def reconcile_task(
     return {
         "cost_usd": run_cost["cost_usd"],
         "realtime_cost_usd": run_cost["realtime_cost_usd"],
-        "input_tokens": run_cost["input_tokens"],
-        "cached_tokens": run_cost["cached_tokens"],
-        "output_tokens": run_cost["output_tokens"],
         **{k: v for k, v in metrics.items() if v is not None},
     }

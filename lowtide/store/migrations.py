@@ -172,6 +172,20 @@ MIGRATIONS.append(
     )
 )
 
+MIGRATIONS.append(
+    (
+        3,
+        "eval gate verdicts; provider-reported usage; per-request cost",
+        """
+        ALTER TABLE runs ADD COLUMN gate_note VARCHAR;     -- why a run is held, or NULL
+        ALTER TABLE batches ADD COLUMN usage VARCHAR;      -- the provider's batch-level usage
+        ALTER TABLE results ADD COLUMN cost_usd DOUBLE;    -- this request's price, as billed
+        ALTER TABLE costs ADD COLUMN provider_input_tokens BIGINT;   -- batch-level usage, where
+        ALTER TABLE costs ADD COLUMN provider_output_tokens BIGINT;  -- the provider reports one
+        """,
+    )
+)
+
 LATEST = MIGRATIONS[-1][0]
 
 

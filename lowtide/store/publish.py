@@ -93,6 +93,22 @@ def job_view_sql(
     return f"CREATE OR REPLACE VIEW {_ident(view)} AS {job_rows_sql(job, src_table, id_column, schema)}"
 
 
+ROW_COSTS_VIEW = f"""
+CREATE OR REPLACE VIEW row_costs AS
+WITH fan AS (
+    SELECT run_id, custom_id, count(*) AS units FROM units WHERE custom_id <> '' GROUP BY 1, 2
+)
+SELECT u.run_id, u.source_id, u.unit_id, u.kind, u.cache_hit, fan.units AS units_sharing_request,
+       CASE WHEN r.run_id = u.run_id THEN r.cost_usd / fan.units ELSE 0 END AS cost_usd,
+       r.outcome IN {ANSWERED} AS answered
+FROM units u
+JOIN fan ON fan.run_id = u.run_id AND fan.custom_id = u.custom_id
+LEFT JOIN results r ON r.custom_id = u.custom_id
+"""
+"""Each unit's share of what its request cost in that run (0 for cache hits from earlier runs);
+summed per run it equals the run's cost of the requests its units used."""
+
+
 def source_table(view: str) -> str:
     return f"src_{view}"
 
@@ -123,6 +139,7 @@ def publish(store: Store, db_path: str | Path, jobs: list[dict[str, Any]]) -> Pa
             con.execute("DETACH pub")
     pub = duckdb.connect(str(tmp))
     try:
+        pub.execute(ROW_COSTS_VIEW)
         for job in jobs:
             src = source_table(job["view"])
             has_src = pub.execute(

@@ -358,7 +358,8 @@ class Store:
         """Every unit of a run with its request's outcome (null if not answered yet)."""
         return self.query(
             """
-            SELECT u.unit_id, u.source_id, u.kind, u.chunk_index, u.n_chunks, u.custom_id,
+            SELECT u.unit_id, u.source_id, u.kind, u.chunk_index, u.n_chunks, u.unit_tokens,
+                   u.custom_id,
                    u.cache_hit, r.outcome, r.output, r.error, r.batch_id, r.input_tokens,
                    r.cached_tokens, r.output_tokens, r.run_id AS answered_in_run
             FROM units u LEFT JOIN results r USING (custom_id)
