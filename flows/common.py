@@ -306,9 +306,15 @@ def summary(store: Store, run_id: str, settings: Settings) -> dict[str, Any]:
     evals = store.query(
         "SELECT field, accuracy FROM eval_scores WHERE run_id = ? ORDER BY field", [run_id]
     )
+    units = store.query(
+        "SELECT count(*) FILTER (WHERE kind = 'row' AND cache_hit) AS row_units_cached, "
+        "count(*) FILTER (WHERE kind = 'eval') AS eval_units FROM units WHERE run_id = ?",
+        [run_id],
+    ).row(0, named=True)
     return {
         **{k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in run.items()},
         **tokens,
+        **units,
         "metrics": metrics,
         "failures_by_reason": dict(reasons.iter_rows()),
         "eval_by_field": dict(evals.iter_rows()),

@@ -151,8 +151,14 @@ def _print_summary(s: dict[str, Any]) -> None:
     for k, v in rows:
         t.add_row(k, "" if v is None else str(v))
     console.print(t)
-    if s.get("cache_hits") and not s.get("requests_sent"):
-        console.print("[green]Every request was answered by an earlier run: nothing was sent.[/]")
+    if s.get("units") and s.get("row_units_cached") == s.get("units"):
+        sent = s.get("requests_sent") or 0
+        tail = (
+            "nothing was sent."
+            if not sent
+            else f"only the eval set ({sent} requests) was asked afresh, to catch model drift."
+        )
+        console.print(f"[green]Every row was answered by an earlier run (cache): {tail}[/]")
 
 
 def _exit_for(summary: dict[str, Any], wait: bool = True) -> None:
