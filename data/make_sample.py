@@ -1754,8 +1754,9 @@ name = "support_intent"
 schema_file = "../schemas/support-intent.json"
 
 [model]
-backend = "emulator"      # emulator | openai
+backend = "emulator"      # emulator | openai | anthropic | vllm
 name = "gpt-4o-mini"
+names = { anthropic = "claude-haiku-4-5" }   # per-backend model names; `name` is the default
 temperature = 0.0
 max_tokens = 200
 extra_body = {}

@@ -20,9 +20,14 @@ def emulator() -> Iterator[Emulator]:
 
 
 def write_job(
-    tmp_path: Path, rows: int | None = None, eval_rows: int = 40, **model: object
+    tmp_path: Path,
+    rows: int | None = None,
+    eval_rows: int = 40,
+    extra: str = "",
+    replace: dict[str, str] | None = None,
 ) -> Path:
-    """A copy of the sample job, optionally on the first `rows` messages, with absolute paths."""
+    """A copy of the sample job, optionally on the first `rows` messages, with absolute paths;
+    `extra` TOML is appended (new sections) and `replace` edits the text (changed keys)."""
     data = SAMPLE_JOB.parent.parent
     spec = tomllib.loads(SAMPLE_JOB.read_text())
     messages = pl.read_csv(data / "support" / "messages.csv")
@@ -50,6 +55,10 @@ def write_job(
             ):
                 line = line.replace(f'"{old}"', f'"{new}"')
         out.append(line)
+    text = "\n".join(out) + "\n" + extra
+    for old_text, new_text in (replace or {}).items():
+        assert old_text in text, old_text
+        text = text.replace(old_text, new_text)
     path = tmp_path / "job.toml"
-    path.write_text("\n".join(out) + "\n")
+    path.write_text(text)
     return path

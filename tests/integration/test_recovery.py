@@ -1,0 +1,375 @@
+"""Partial outcomes end answered or failed with a reason, and nothing is paid twice.
+
+Each test runs a small copy of the sample job through the real flow, the real SDKs over HTTP
+and a real emulator configured for one awkward case, then checks the store and the ledger.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import duckdb
+import orjson
+import polars as pl
+import pytest
+
+from flows.collect import collect
+from flows.enrich import enrich
+from lowtide.emulator import Emulator, EmulatorConfig
+from lowtide.pricing import load_price
+from lowtide.store.state import Store
+from tests.integration.conftest import write_job
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+
+def _store() -> Store:
+    return Store(os.environ["LOWTIDE_STATE"])
+
+
+def _invariant(summary: dict, rows: int) -> None:
+    assert summary["rows"] == rows == summary["succeeded"] + summary["failed"]
+
+
+def _paid_once(emu: Emulator) -> dict[str, int]:
+    counts = emu.ledger.count_by_custom_id()
+    assert set(counts.values()) <= {1}, "a request was paid for twice"
+    return counts
+
+
+def test_expired_batch_keeps_finished_results_and_resubmits_only_the_rest(tmp_path: Path) -> None:
+    job = write_job(tmp_path, rows=40, eval_rows=5)
+    # 45 requests at 1 simulated second each in a 30 s window: the tail expires unrun
+    config = EmulatorConfig(
+        time_scale=400.0,
+        error_rate=0.0,
+        validating_s=1,
+        finalizing_s=1,
+        batch_seconds_per_request=1.0,
+        completion_window_s=30.0,
+    )
+    with Emulator(config) as emu:
+        s = enrich(job_file=str(job), emulator_url=emu.base_url)
+        _invariant(s, 40)
+        _paid_once(emu)
+        store = _store()
+        batches = store.run_batches(s["run_id"])
+        assert batches["status"].to_list()[0] == "expired"
+        assert batches["attempt"].max() >= 2
+        first = batches.row(0, named=True)["batch_id"]
+        answered_first = set(
+            store.query("SELECT custom_id FROM results WHERE batch_id = ?", [first])["custom_id"]
+        )
+        later = set(
+            store.query(
+                "SELECT br.custom_id FROM batch_requests br JOIN batches b USING (batch_id) "
+                "WHERE b.run_id = ? AND b.attempt > 1",
+                [s["run_id"]],
+            )["custom_id"]
+        )
+        assert answered_first and later
+        assert not answered_first & later  # only the unfinished remainder was resubmitted
+
+
+def test_errored_requests_retry_then_fail_with_a_reason(tmp_path: Path) -> None:
+    job = write_job(
+        tmp_path,
+        rows=20,
+        eval_rows=5,
+        extra="[retry]\nmax_attempts = 2\nrealtime_fallback = false\n",
+    )
+    with Emulator(EmulatorConfig(time_scale=600.0, error_rate=1.0)) as emu:
+        s = enrich(job_file=str(job), emulator_url=emu.base_url)
+        _invariant(s, 20)
+        assert s["failed"] == 20 and s["status"] == "completed"
+        assert emu.ledger.executions() == []  # errored requests are not billed
+        store = _store()
+        attempts = store.query(
+            "SELECT custom_id, count(*) AS n FROM batch_requests br JOIN batches b USING (batch_id) "
+            "WHERE b.run_id = ? GROUP BY 1",
+            [s["run_id"]],
+        )
+        assert set(attempts["n"]) == {2}
+        failures = store.query(
+            "SELECT reason, detail FROM failures WHERE run_id = ? AND kind = 'row'", [s["run_id"]]
+        )
+        assert set(failures["reason"]) == {"provider_error"}
+        assert all(d.startswith("HTTP 5") for d in failures["detail"])
+
+
+def test_stragglers_go_through_the_realtime_path(tmp_path: Path) -> None:
+    job = write_job(tmp_path, rows=20, eval_rows=5, extra="[retry]\nmax_attempts = 1\n")
+    with Emulator(EmulatorConfig(time_scale=600.0, error_rate=1.0)) as emu:
+        s = enrich(job_file=str(job), emulator_url=emu.base_url)
+        _invariant(s, 20)
+        assert s["succeeded"] == 20
+        realtime = [e for e in emu.ledger.executions() if e["kind"] == "realtime"]
+        assert len(realtime) == s["unique_requests"]
+        store = _store()
+        channels = store.query(
+            "SELECT DISTINCT channel FROM results WHERE run_id = ?", [s["run_id"]]
+        )
+        assert channels["channel"].to_list() == ["realtime"]
+        costs = store.query(
+            "SELECT cost_usd, realtime_cost_usd FROM costs WHERE run_id = ? AND level = 'run'",
+            [s["run_id"]],
+        ).row(0, named=True)
+        assert costs["cost_usd"] == pytest.approx(costs["realtime_cost_usd"])  # no batch discount
+
+
+def test_a_batch_that_fails_validation_reports_the_providers_line_errors(tmp_path: Path) -> None:
+    job = write_job(tmp_path, rows=20, eval_rows=5)
+    with Emulator(EmulatorConfig(time_scale=600.0, error_rate=0.0, max_batch_lines=10)) as emu:
+        s = enrich(job_file=str(job), emulator_url=emu.base_url)
+        _invariant(s, 20)
+        assert s["failed"] == 20
+        detail = _store().query(
+            "SELECT DISTINCT detail FROM failures WHERE run_id = ?", [s["run_id"]]
+        )
+        assert any("batch failed validation at the provider: line" in d for d in detail["detail"])
+
+
+def test_429_on_create_is_retried(tmp_path: Path) -> None:
+    job = write_job(tmp_path, rows=10, eval_rows=3)
+    with Emulator(EmulatorConfig(time_scale=600.0, error_rate=0.0, retry_after_s=0.05)) as emu:
+        from lowtide.emulator.config import parse_faults
+
+        emu.state.faults.replace(parse_faults("429:POST /v1/batches:2"))
+        s = enrich(job_file=str(job), emulator_url=emu.base_url)
+        _invariant(s, 10)
+        assert s["succeeded"] == 10
+        assert len(_store().run_batches(s["run_id"])) == 1
+
+
+def test_no_wait_then_collect_gives_the_same_tables_as_waiting(tmp_path: Path, monkeypatch) -> None:
+    job = write_job(tmp_path, rows=60, eval_rows=10)
+    config = dict(time_scale=60.0, error_rate=0.05, seed=11)
+
+    def view() -> pl.DataFrame:
+        con = duckdb.connect(os.environ["LOWTIDE_DB"], read_only=True)
+        try:
+            return pl.from_arrow(
+                con.sql(
+                    "SELECT message_id, chunk_index, status, intent, urgency, summary FROM support_intents "
+                    "ORDER BY 1, 2"
+                ).to_arrow_table()
+            )
+        finally:
+            con.close()
+
+    with Emulator(EmulatorConfig(**config)) as emu:
+        waited = enrich(job_file=str(job), emulator_url=emu.base_url)
+        waited_view = view()
+    monkeypatch.setenv("LOWTIDE_STATE", str(tmp_path / "other-state.duckdb"))
+    monkeypatch.setenv("LOWTIDE_DB", str(tmp_path / "other.duckdb"))
+    with Emulator(EmulatorConfig(**config)) as emu:
+        submitted = enrich(job_file=str(job), emulator_url=emu.base_url, wait=False)
+        assert submitted["status"] == "submitted"
+        for _ in range(100):
+            touched = collect(emulator_url=emu.base_url)
+            if touched and touched[0]["status"] == "completed":
+                break
+        else:
+            pytest.fail("collect never finished the run")
+        _paid_once(emu)
+        finished = touched[0]
+    assert finished["rows"] == waited["rows"] and finished["succeeded"] == waited["succeeded"]
+    assert view().equals(waited_view)
+
+
+def test_cancel_keeps_finished_work_and_fails_the_rest_with_a_reason(tmp_path: Path) -> None:
+    from lowtide.backends import make_backend
+
+    job = write_job(tmp_path, rows=30, eval_rows=5)
+    config = EmulatorConfig(
+        time_scale=0.0,
+        error_rate=0.0,
+        validating_s=1,
+        finalizing_s=1,
+        batch_seconds_per_request=1.0,
+        cancel_drain_s=1,
+    )
+    with Emulator(config) as emu:
+        s = enrich(job_file=str(job), emulator_url=emu.base_url, wait=False)
+        import urllib.request
+
+        urllib.request.urlopen(
+            urllib.request.Request(
+                f"{emu.base_url}/_emulator/clock/advance?seconds=15", method="POST"
+            )
+        )
+        store = _store()
+        backend = make_backend("emulator", emulator_url=emu.base_url)
+        for pid in store.run_batches(s["run_id"])["provider_batch_id"]:
+            backend.cancel(pid)
+        store.update_run(s["run_id"], status="cancelling")
+        urllib.request.urlopen(
+            urllib.request.Request(
+                f"{emu.base_url}/_emulator/clock/advance?seconds=5", method="POST"
+            )
+        )
+        done = collect(emulator_url=emu.base_url)[0]
+        assert done["status"] == "cancelled"
+        _invariant(done, 30)
+        assert 0 < done["succeeded"] < 30
+        reasons = store.query(
+            "SELECT DISTINCT reason FROM failures WHERE run_id = ? AND kind = 'row'", [s["run_id"]]
+        )
+        assert reasons["reason"].to_list() == ["cancelled"]
+        assert len(_paid_once(emu)) >= done["succeeded"]
+
+
+def test_malformed_answers_are_repaired_or_reasked(tmp_path: Path) -> None:
+    job = write_job(tmp_path, rows=400, eval_rows=10)
+    with Emulator(
+        EmulatorConfig(time_scale=600.0, error_rate=0.0, malformed_rate=0.05, seed=5)
+    ) as emu:
+        s = enrich(job_file=str(job), emulator_url=emu.base_url)
+        _invariant(s, 400)
+        _paid_once(emu)
+    store = _store()
+    outcomes = store.query(
+        "SELECT r.outcome, r.error FROM results r JOIN requests q USING (custom_id) "
+        "WHERE r.run_id = ? AND q.reask_of IS NULL",
+        [s["run_id"]],
+    )
+    counts = dict(outcomes.group_by("outcome").len().iter_rows())
+    broken = counts.get("repaired", 0) + counts.get("reasked", 0) + counts.get("parse_failed", 0)
+    assert broken > 0.02 * outcomes.height  # the emulator did break answers
+    fixed = counts.get("repaired", 0) + counts.get("reasked", 0)
+    assert fixed >= 0.95 * broken
+    assert outcomes.filter(pl.col("outcome") == "parse_failed")["error"].is_not_null().all()
+
+
+def test_costs_add_up_to_the_providers_usage_and_the_estimate_is_close(tmp_path: Path) -> None:
+    job = write_job(tmp_path, rows=300, eval_rows=20)
+    with Emulator(EmulatorConfig(time_scale=600.0, error_rate=0.0)) as emu:
+        s = enrich(job_file=str(job), emulator_url=emu.base_url)
+        usage = emu.ledger.total_usage()
+    price = load_price(
+        Path(__file__).resolve().parents[2] / "data" / "prices.csv", "emulator", "gpt-4o-mini"
+    )
+    expected = price.cost(
+        usage["input_tokens"], usage["cached_input_tokens"], usage["output_tokens"], batch=True
+    )
+    store = _store()
+    costs = store.query(
+        "SELECT level, cost_usd, estimate_usd FROM costs WHERE run_id = ?", [s["run_id"]]
+    )
+    run_row = costs.filter(pl.col("level") == "run").row(0, named=True)
+    assert round(run_row["cost_usd"], 2) == round(expected, 2)
+    assert costs.filter(pl.col("level") == "batch")["cost_usd"].sum() == pytest.approx(
+        run_row["cost_usd"]
+    )
+    per_request = store.scalar("SELECT sum(cost_usd) FROM results WHERE run_id = ?", [s["run_id"]])
+    assert per_request == pytest.approx(run_row["cost_usd"])
+    assert abs(run_row["estimate_usd"] - run_row["cost_usd"]) <= 0.10 * run_row["cost_usd"]
+
+
+def test_eval_gate_holds_a_drifted_run_until_published(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from lowtide.cli import app
+
+    job = write_job(
+        tmp_path, rows=30, eval_rows=200, replace={"seed = 7": "seed = 7\neval_max_drop = 0.005"}
+    )
+    with Emulator(EmulatorConfig(time_scale=600.0, error_rate=0.0)) as emu:
+        first = enrich(job_file=str(job), emulator_url=emu.base_url)
+        assert first["status"] == "completed"
+        emu.state.patch_config({"model_version": 2})
+        second = enrich(job_file=str(job), emulator_url=emu.base_url)
+    assert second["status"] == "held", second
+    assert "accuracy fell" in second["gate_note"]
+    con = duckdb.connect(os.environ["LOWTIDE_DB"], read_only=True)
+    shown = {r[0] for r in con.execute("SELECT DISTINCT run_id FROM support_intents").fetchall()}
+    con.close()
+    assert shown == {first["run_id"]}
+    result = CliRunner().invoke(app, ["publish", second["run_id"]])
+    assert result.exit_code == 0, result.output
+    con = duckdb.connect(os.environ["LOWTIDE_DB"], read_only=True)
+    shown = {r[0] for r in con.execute("SELECT DISTINCT run_id FROM support_intents").fetchall()}
+    con.close()
+    assert shown == {second["run_id"]}
+
+
+def test_qa_export_import_round_trip(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from lowtide.cli import app
+
+    job = write_job(
+        tmp_path, rows=200, eval_rows=5, replace={"sample_rate = 0.05": "sample_rate = 0.1"}
+    )
+    with Emulator(EmulatorConfig(time_scale=600.0, error_rate=0.0)) as emu:
+        s = enrich(job_file=str(job), emulator_url=emu.base_url)
+    out = tmp_path / "review.csv"
+    result = CliRunner().invoke(app, ["qa", "export", s["run_id"], "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    sample = pl.read_csv(out, infer_schema=False)
+    assert {"run_id", "unit_id", "message_id", "body", "intent", "verdict", "correct_value"} <= set(
+        sample.columns
+    )
+    assert sample["verdict"].fill_null("").eq("").all()
+    n = sample.height
+    assert n >= 10
+    labels = pl.read_csv(Path(__file__).resolve().parents[2] / "data" / "support" / "labels.csv")
+    reviewed = sample.join(
+        labels.select("message_id", pl.col("intent").alias("truth")), on="message_id"
+    )
+    reviewed = reviewed.with_columns(
+        pl.when(pl.col("intent") == pl.col("truth"))
+        .then(pl.lit("correct"))
+        .otherwise(pl.lit("incorrect"))
+        .alias("verdict"),
+        pl.when(pl.col("intent") != pl.col("truth"))
+        .then(pl.col("truth"))
+        .otherwise(pl.lit(""))
+        .alias("correct_value"),
+    ).drop("truth")
+    reviewed.write_csv(out)
+    result = CliRunner().invoke(app, ["qa", "import", str(out)])
+    assert result.exit_code == 0, result.output
+    right = int((reviewed["verdict"] == "correct").sum())
+    assert f"accuracy {right / n:.1%}" in result.output
+    metrics = dict(
+        _store()
+        .query("SELECT name, value FROM metrics WHERE run_id = ?", [s["run_id"]])
+        .iter_rows()
+    )
+    assert metrics["qa_reviewed"] == n
+    assert (
+        metrics["qa_accuracy_ci_low"]
+        < metrics["qa_reviewed_accuracy"]
+        < metrics["qa_accuracy_ci_high"]
+    )
+    bad = tmp_path / "bad.csv"
+    reviewed.with_columns(pl.lit("maybe").alias("verdict")).write_csv(bad)
+    result = CliRunner().invoke(app, ["qa", "import", str(bad)])
+    assert result.exit_code != 0 and "row 2: verdict 'maybe'" in result.output
+
+
+def test_same_job_on_anthropic_gives_the_same_rows(tmp_path: Path, monkeypatch) -> None:
+    job = write_job(tmp_path, rows=40, eval_rows=5)
+    with Emulator(EmulatorConfig(time_scale=600.0, error_rate=0.0)) as emu:
+        on_openai = enrich(job_file=str(job), emulator_url=emu.base_url)
+        monkeypatch.setenv("ANTHROPIC_BASE_URL", emu.anthropic_base_url)
+        monkeypatch.setenv("ANTHROPIC_API_KEY", "x")
+        on_anthropic = enrich(job_file=str(job), backend="anthropic")
+        assert {e["provider"] for e in emu.ledger.executions()} == {"openai", "anthropic"}
+    assert on_anthropic["model"] == "claude-haiku-4-5" and on_anthropic["succeeded"] == 40
+    store = _store()
+
+    def outputs(run_id: str) -> dict[str, dict]:
+        rows = store.query(
+            "SELECT u.unit_id, r.output FROM units u JOIN results r USING (custom_id) "
+            "WHERE u.run_id = ? AND u.kind = 'row'",
+            [run_id],
+        )
+        return {
+            u: {k: v for k, v in orjson.loads(o).items() if k != "summary"}
+            for u, o in rows.iter_rows()
+        }
+
+    assert outputs(on_anthropic["run_id"]) == outputs(on_openai["run_id"])
