@@ -266,9 +266,15 @@ def finish_run(job: JobSpec, ctx: RunContext, run_id: str) -> None:
     status = "cancelled" if run.get("status") == "cancelling" else "completed"
     if qa["hold"] and status == "completed":
         status = "held"  # results are kept; the job view keeps the last published run
+    sent = store.scalar(
+        "SELECT count(DISTINCT custom_id) FROM batch_requests br JOIN batches b USING (batch_id) "
+        "WHERE b.run_id = ?",
+        [run_id],
+    )
     store.update_run(
         run_id,
         status=status,
+        requests_sent=int(sent or 0),
         gate_note="; ".join(qa["hold"]) or None,
         finished_at=now(),
         succeeded=counts["succeeded"],

@@ -38,6 +38,7 @@ from tasks.assemble import assemble_task
 from tasks.chunk import chunk_task
 from tasks.dedupe import dedupe_task
 from tasks.load import load_task
+from tasks.realtime import realtime_task
 
 
 def _run_name() -> str:
@@ -150,6 +151,18 @@ def _prepare(job: JobSpec, ctx: RunContext, run_id: str) -> None:
         caps.max_bytes,
         ctx.price.per_mtok(),
     )
+    if plan["urgent"]:
+        # peak shaving: rows marked urgent are answered now, through the realtime path
+        realtime_task(
+            run_id,
+            plan["urgent"],
+            "priority",
+            ctx.state_path,
+            ctx.backend_name,
+            ctx.emulator_url,
+            job.output_schema,
+            job.retry.realtime_concurrency,
+        )
     ctx.store.update_run(
         run_id,
         rows=loaded["rows"],

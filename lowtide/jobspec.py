@@ -39,6 +39,7 @@ class InputSpec(_Strict):
     text_column: str
     columns: list[str] = Field(default_factory=list)
     database: str | None = None  # for path = "duckdb:TABLE"
+    priority_column: str | None = None  # truthy rows skip the batch and go realtime at once
 
 
 class ChunkSpec(_Strict):

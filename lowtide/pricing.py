@@ -37,6 +37,7 @@ class Price:
         return {
             "input": self.input * self.batch_discount,
             "output": self.output * self.batch_discount,
+            "batch_discount": self.batch_discount,
         }
 
 

@@ -187,18 +187,45 @@ def assemble_task(
     store = Store(state_path)
     existing = store.run_batches(run_id)
     if existing.height:  # manifest already written by an earlier attempt of this run
-        return {"batches": existing["batch_id"].to_list(), "estimate_usd": None, "resumed": True}
+        return {
+            "batches": existing["batch_id"].to_list(),
+            "urgent": [],
+            "estimate_usd": None,
+            "resumed": True,
+        }
     requests = pl.read_parquet(deduped["to_send"])
     if requests.is_empty():
-        return {"batches": [], "estimate_usd": 0.0, "resumed": False}
+        return {"batches": [], "urgent": [], "estimate_usd": 0.0, "resumed": False}
+    urgent_mask = requests["urgent"] if "urgent" in requests.columns else None
     reqs, batches, members = plan_batches(
-        job, run_id, requests, backend=backend, max_requests=max_requests, max_bytes=max_bytes
+        job,
+        run_id,
+        requests.drop("urgent", strict=False),
+        backend=backend,
+        max_requests=max_requests,
+        max_bytes=max_bytes,
     )
+    urgent: list[str] = []
+    if urgent_mask is not None and urgent_mask.any():
+        # urgent requests skip the batch: re-cut the shards without them
+        urgent = requests.filter(urgent_mask)["custom_id"].to_list()
+        _, batches, members = plan_batches(
+            job,
+            run_id,
+            requests.filter(~urgent_mask).drop("urgent"),
+            backend=backend,
+            max_requests=max_requests,
+            max_bytes=max_bytes,
+        )
     est_in = int(reqs["est_input_tokens"].sum())
     est_out = requests.height * expected_output_tokens(job)
+    discount = price_per_mtok.get("batch_discount", 1.0) or 1.0
+    urgent_share = len(urgent) / requests.height
     estimate = (
-        est_in * price_per_mtok.get("input", 0.0) + est_out * price_per_mtok.get("output", 0.0)
-    ) / 1e6
+        (est_in * price_per_mtok.get("input", 0.0) + est_out * price_per_mtok.get("output", 0.0))
+        / 1e6
+        * (1 - urgent_share + urgent_share / discount)
+    )
     if job.cost.budget_usd is not None and estimate > job.cost.budget_usd:
         raise BudgetExceededError(
             f"job {job.name!r}: estimated cost ${estimate:.2f} for {requests.height} requests "
@@ -207,6 +234,7 @@ def assemble_task(
     store.write_manifest(run_id, reqs, batches, members)
     return {
         "batches": batches["batch_id"].to_list(),
+        "urgent": urgent,
         "estimate_usd": estimate,
         "est_input_tokens": est_in,
         "resumed": False,

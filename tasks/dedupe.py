@@ -16,6 +16,7 @@ from prefect import task
 
 from lowtide.jobspec import JobSpec
 from lowtide.store.state import Store
+from tasks.load import PRIORITY
 
 CUSTOM_ID_VERSION = "lt1"
 """Version of the custom_id recipe. Changing the recipe orphans in-flight batches: bump it."""
@@ -65,10 +66,18 @@ def request_keys(units: pl.DataFrame, template: str, fingerprint: str) -> pl.Dat
 
 
 def unique_requests(keyed: pl.DataFrame) -> pl.DataFrame:
-    """One row per request key, carrying the first unit's text (input order is kept)."""
+    """One row per request key, carrying the first unit's text (input order is kept); a request
+    is urgent when any unit that shares it is."""
     sendable = keyed.filter(pl.col("text").str.len_bytes() > 0)
-    return sendable.unique(subset="custom_id", keep="first", maintain_order=True).select(
-        "custom_id", "request_key", "user", "unit_tokens"
+    urgent = (
+        pl.col(PRIORITY).fill_null(False).any().over("custom_id")
+        if PRIORITY in keyed.columns
+        else pl.lit(False)
+    )
+    return (
+        sendable.with_columns(urgent.alias("urgent"))
+        .unique(subset="custom_id", keep="first", maintain_order=True)
+        .select("custom_id", "request_key", "user", "unit_tokens", "urgent")
     )
 
 
@@ -106,7 +115,7 @@ def dedupe_task(job: JobSpec, chunked: dict, work_dir: str, state_path: str, run
     )
     store.save_units(run_id, keyed)
     path = Path(work_dir) / "to_send.parquet"
-    to_send.select("custom_id", "request_key", "user", "unit_tokens").write_parquet(path)
+    to_send.select("custom_id", "request_key", "user", "unit_tokens", "urgent").write_parquet(path)
     row_units = keyed.filter(pl.col("kind") == "row")
     return {
         "to_send": str(path),

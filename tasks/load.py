@@ -10,6 +10,9 @@ from prefect import task
 
 from lowtide.jobspec import JobSpec
 
+PRIORITY = "_priority"
+"""Column carrying a row's urgency through chunking and dedupe (from [input] priority_column)."""
+
 
 class InputError(ValueError):
     """Input that cannot be used; the message names the file, the column or row, and the fix."""
@@ -87,13 +90,23 @@ def load_input(job: JobSpec) -> pl.DataFrame:
     spec = job.input
     path = job.resolve(spec.path) or ""
     frame = read_table(path, job.resolve(spec.database))
-    return normalise_input(
+    rows = normalise_input(
         frame,
         where=path,
         id_column=spec.id_column,
         text_column=spec.text_column,
         columns=spec.columns,
     )
+    if spec.priority_column is None:
+        return rows
+    if spec.priority_column not in frame.columns:
+        raise InputError(
+            f"{path}: [input] priority_column {spec.priority_column!r} is not a column of the file"
+        )
+    flag = frame[spec.priority_column]
+    if flag.dtype != pl.Boolean:  # accept 1/0, yes/no, true/false, urgent/''
+        flag = flag.cast(pl.String).str.to_lowercase().is_in(["1", "true", "yes", "y", "urgent"])
+    return rows.with_columns(flag.fill_null(False).alias(PRIORITY))
 
 
 def load_eval_set(job: JobSpec) -> pl.DataFrame | None:

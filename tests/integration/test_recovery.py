@@ -373,3 +373,32 @@ def test_same_job_on_anthropic_gives_the_same_rows(tmp_path: Path, monkeypatch) 
         }
 
     assert outputs(on_anthropic["run_id"]) == outputs(on_openai["run_id"])
+
+
+def test_urgent_rows_go_realtime_at_once(tmp_path: Path) -> None:
+    job = write_job(
+        tmp_path,
+        rows=30,
+        eval_rows=5,
+        replace={'text_column = "body"': 'text_column = "body"\npriority_column = "urgent"'},
+    )
+    messages = pl.read_csv(tmp_path / "messages.csv")
+    messages.with_columns((pl.int_range(pl.len()) < 4).alias("urgent")).write_csv(
+        tmp_path / "messages.csv"
+    )
+    with Emulator(EmulatorConfig(time_scale=600.0, error_rate=0.0)) as emu:
+        s = enrich(job_file=str(job), emulator_url=emu.base_url)
+        _invariant(s, 30)
+        assert s["succeeded"] == 30
+        kinds = [e["kind"] for e in emu.ledger.executions()]
+        assert kinds.count("realtime") == 4
+        assert kinds.count("batch") == s["unique_requests"] - 4
+    channels = _store().query(
+        "SELECT u.source_id, u.custom_id, r.channel FROM units u JOIN results r USING (custom_id) "
+        "WHERE u.run_id = ? AND u.kind = 'row'",
+        [s["run_id"]],
+    )
+    urgent_ids = messages.head(4)["message_id"].implode()
+    urgent_requests = set(channels.filter(pl.col("source_id").is_in(urgent_ids))["custom_id"])
+    realtime = channels.filter(pl.col("channel") == "realtime")
+    assert set(realtime["custom_id"]) == urgent_requests  # rows sharing an urgent request too
