@@ -26,6 +26,9 @@ def _prefect_env() -> None:
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    # The terminal gets lowtide's own one-line errors; full tracebacks still reach the Prefect
+    # UI through its API log handler.
+    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 
 
@@ -86,6 +89,13 @@ def _run_job(
     wait: bool,
     emulator_url: str | None = None,
 ) -> dict[str, Any]:
+    from lowtide.jobspec import JobFileError, load_job
+
+    try:  # a bad job file is reported at once, before Prefect starts
+        load_job(job_file, backend)
+    except JobFileError as e:
+        raise _fail(str(e)) from e
+
     def call() -> dict[str, Any]:
         from flows.enrich import enrich
 
@@ -467,12 +477,19 @@ def emulator(
     """Start the local emulator in the foreground and print the variables to export."""
     from lowtide.emulator.main import serve
 
+    if port == 0:  # any free port
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
     pool = None
     if engines:
         from lowtide.emulator.vllm_pool import start_engines
 
         pool = start_engines(engines)
-        console.print(f"LOWTIDE_VLLM_URLS={','.join(pool.urls)}")
+        console.print(f"{engines} emulated vLLM engine(s):")
+        console.print(f"  export LOWTIDE_VLLM_URLS={','.join(pool.urls)}")
     try:
         serve(
             port=port,

@@ -161,3 +161,27 @@ def test_missing_input_column_fails_before_sending(emulator, tmp_path: Path) -> 
     assert emulator.ledger.executions() == []
     run = Store(os.environ["LOWTIDE_STATE"]).list_runs().row(0, named=True)
     assert run["status"] == "failed" and "message" in run["error"]
+
+
+def test_bad_input_through_the_cli_is_one_line_without_a_trace(emulator, tmp_path: Path) -> None:
+    from prefect.settings import PREFECT_API_URL
+
+    job = write_job(tmp_path, rows=5)
+    job.write_text(job.read_text().replace('id_column = "message_id"', 'id_column = "msg"'))
+    env = {
+        **os.environ,
+        "LOWTIDE_EMULATOR_URL": emulator.base_url,
+        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "lowtide.cli", "run", str(job)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2
+    assert "missing column(s) ['msg']" in done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    assert emulator.ledger.executions() == []
