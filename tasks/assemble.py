@@ -50,8 +50,10 @@ def chat_body(job: JobSpec, user: str) -> dict:
     return body
 
 
-def openai_lines(job: JobSpec, requests: pl.DataFrame) -> pl.Series:
-    """One OpenAI batch line per request, built column-wise around a JSON-escaped user message."""
+def line_template(job: JobSpec) -> tuple[str, str, str]:
+    """(head, mid, tail): a request line is head + "custom_id" + mid + "user message" + tail,
+    with both values as JSON strings. The parts are the same for every request of a prompt, so
+    the store keeps them once and each request keeps only its own message."""
     line = orjson.dumps(
         {
             "custom_id": _SENTINEL,
@@ -60,23 +62,45 @@ def openai_lines(job: JobSpec, requests: pl.DataFrame) -> pl.Series:
             "body": chat_body(job, _SENTINEL),
         }
     ).decode()
-    quoted = orjson.dumps(_SENTINEL).decode()
-    head, mid, tail = line.split(quoted)
-    # struct.json_encode gives {"u":"<escaped>"}; the slice keeps the quoted string
-    escaped = pl.struct(pl.col("user").alias("u")).struct.json_encode().str.slice(5).str.head(-1)
+    head, mid, tail = line.split(orjson.dumps(_SENTINEL).decode())
+    return head, mid, tail
+
+
+def template_id(job: JobSpec) -> str:
+    return f"openai_chat-{job.prompt_fingerprint()[:24]}"
+
+
+def _escaped(column: str) -> pl.Expr:
+    # struct.json_encode gives {"u":"<escaped>"}; the slice keeps the quoted JSON string
+    return pl.struct(pl.col(column).alias("u")).struct.json_encode().str.slice(5).str.head(-1)
+
+
+def openai_lines(job: JobSpec, requests: pl.DataFrame) -> pl.Series:
+    """The full OpenAI batch line of each request (for tests and small sets; the store builds
+    lines per shard from the template, so a million lines are never held at once)."""
+    head, mid, tail = line_template(job)
     return requests.select(
         pl.concat_str(
             [
-                pl.lit(head),
-                pl.lit('"'),
+                pl.lit(head + '"'),
                 pl.col("custom_id"),
-                pl.lit('"'),
-                pl.lit(mid),
-                escaped,
+                pl.lit('"' + mid),
+                _escaped("user"),
                 pl.lit(tail),
             ]
         ).alias("line")
     )["line"]
+
+
+def line_bytes(job: JobSpec, requests: pl.DataFrame) -> pl.Series:
+    """Size of each request's line in bytes, without building the lines."""
+    head, mid, tail = line_template(job)
+    fixed = len((head + mid + tail).encode()) + 2
+    return requests.select(
+        (pl.col("custom_id").str.len_bytes() + _escaped("user").str.len_bytes() + fixed).alias(
+            "bytes"
+        )
+    )["bytes"]
 
 
 def estimate_input_tokens(job: JobSpec, requests: pl.DataFrame) -> pl.Series:
@@ -132,25 +156,28 @@ def plan_batches(
     first_shard: int = 0,
     prebuilt: bool = False,
 ) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
-    """(requests with lines, batches, members) ready for the write-ahead manifest.
+    """(requests, batches, members) ready for the write-ahead manifest.
 
-    With `prebuilt`, `requests` already carries its `line` and `est_input_tokens` (a retry
-    round resubmits the stored lines unchanged)."""
+    New requests carry `user_message` and `template_id` (the line is rebuilt from the template
+    when a shard is sent). With `prebuilt`, `requests` carries full stored `line`s (retry rounds
+    and re-asks resubmit lines as they are)."""
     if prebuilt:
         reqs = requests.with_columns(
-            pl.lit(job.name).alias("job"), pl.lit(job.model.name).alias("model")
+            pl.lit(job.name).alias("job"),
+            pl.lit(job.model.name).alias("model"),
+            pl.col("line").str.len_bytes().alias("_bytes"),
         )
     else:
         reqs = requests.with_columns(
-            openai_lines(job, requests).alias("line"),
+            pl.col("user").alias("user_message"),
+            pl.lit(template_id(job)).alias("template_id"),
             estimate_input_tokens(job, requests).alias("est_input_tokens"),
+            line_bytes(job, requests).alias("_bytes"),
             pl.lit(job.name).alias("job"),
             pl.lit(job.model.name).alias("model"),
         )
     reqs = reqs.with_columns(
-        (cut_shards(reqs["line"].str.len_bytes(), max_requests, max_bytes) + first_shard).alias(
-            "shard"
-        )
+        (cut_shards(reqs["_bytes"], max_requests, max_bytes) + first_shard).alias("shard")
     )
     reqs = reqs.with_columns(
         (
@@ -163,11 +190,11 @@ def plan_batches(
         reqs.group_by("batch_id", "shard", maintain_order=True)
         .agg(
             pl.len().cast(pl.Int32).alias("n_requests"),
-            (pl.col("line").str.len_bytes() + 1).sum().alias("n_bytes"),
+            (pl.col("_bytes") + 1).sum().alias("n_bytes"),
         )
         .with_columns(pl.lit(attempt).alias("attempt"), pl.lit(backend).alias("backend"))
     )
-    return reqs, batches, reqs.select("batch_id", "custom_id")
+    return reqs.drop("_bytes"), batches, reqs.select("batch_id", "custom_id")
 
 
 @task(name="assemble", task_run_name="assemble-{job.name}")
@@ -231,6 +258,7 @@ def assemble_task(
             f"job {job.name!r}: estimated cost ${estimate:.2f} for {requests.height} requests "
             f"exceeds the budget ${job.cost.budget_usd:.2f} ([cost] budget_usd); nothing was sent"
         )
+    store.save_template(template_id(job), *line_template(job))
     store.write_manifest(run_id, reqs, batches, members)
     return {
         "batches": batches["batch_id"].to_list(),

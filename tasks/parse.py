@@ -10,12 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 import json_repair
+import jsonschema_rs
 import orjson
 import polars as pl
-from jsonschema import Draft202012Validator
 from prefect import task
 
 from lowtide.store.state import Store
+
+Validator = Any  # jsonschema_rs validators share no importable base class
 
 _PROVIDER_OUTCOME = {
     "provider_error": "provider_error",
@@ -25,16 +27,21 @@ _PROVIDER_OUTCOME = {
 }
 
 
-def _first_error(validator: Draft202012Validator, value: Any) -> str | None:
-    err = next(iter(validator.iter_errors(value)), None)
-    if err is None:
+def compile_schema(schema: dict[str, Any]) -> Validator:
+    """A compiled validator (Rust; ~40x faster than a pure-Python one on the hot path)."""
+    return jsonschema_rs.validator_for(schema)
+
+
+def _first_error(validator: Validator, value: Any) -> str | None:
+    if validator.is_valid(value):
         return None
-    where = "/".join(str(p) for p in err.absolute_path) or "(root)"
+    err = next(iter(validator.iter_errors(value)))
+    where = "/".join(str(p) for p in err.instance_path) or "(root)"
     return f"schema: at {where}: {err.message}"
 
 
 def parse_one(
-    raw: str | None, finish_reason: str | None, validator: Draft202012Validator
+    raw: str | None, finish_reason: str | None, validator: Validator
 ) -> tuple[str, str | None, str | None]:
     """(outcome, output JSON or None, error or None) for one answer text."""
     if raw is None:
@@ -56,7 +63,7 @@ def parse_one(
 
 def parse_results(joined: pl.DataFrame, schema: dict[str, Any]) -> pl.DataFrame:
     """Add `outcome` and `output` to joined results; the error column explains every failure."""
-    validator = Draft202012Validator(schema)
+    validator = compile_schema(schema)
     answered = joined["status"] == "answered"
     outcomes: list[str] = []
     outputs: list[str | None] = []

@@ -186,6 +186,24 @@ MIGRATIONS.append(
     )
 )
 
+MIGRATIONS.append(
+    (
+        4,
+        "requests keep their own message; the shared prompt is stored once per template",
+        """
+        CREATE TABLE request_templates (
+            template_id VARCHAR PRIMARY KEY,
+            head VARCHAR NOT NULL,            -- line = head "custom_id" mid "message" tail
+            mid VARCHAR NOT NULL,
+            tail VARCHAR NOT NULL
+        );
+        ALTER TABLE requests ADD COLUMN user_message VARCHAR;
+        ALTER TABLE requests ADD COLUMN template_id VARCHAR;
+        ALTER TABLE requests ALTER COLUMN line DROP NOT NULL;  -- only for lines sent as they are
+        """,
+    )
+)
+
 LATEST = MIGRATIONS[-1][0]
 
 

@@ -19,6 +19,12 @@ import polars as pl
 
 from lowtide.store import migrations
 
+LINE_SQL = (
+    "coalesce(q.line, t.head || '\"' || q.custom_id || '\"' || t.mid || "
+    "to_json(q.user_message) || t.tail)"
+)
+"""A request's line: stored whole (re-asks), or rebuilt from its template and message."""
+
 TERMINAL_BATCH = ("completed", "failed", "expired", "cancelled")
 ANSWERED = ("ok", "repaired", "reasked")
 
@@ -211,10 +217,14 @@ class Store:
             con.register("req", requests)
             con.register("bat", batches)
             con.register("mem", members)
-            reask = ", reask_of" if "reask_of" in requests.columns else ""
+            optional = "".join(
+                f", {c}"
+                for c in ("line", "user_message", "template_id", "reask_of")
+                if c in requests.columns
+            )
             con.execute(
                 "INSERT OR IGNORE INTO requests BY NAME SELECT custom_id, request_key, job, model, "
-                f"?::VARCHAR AS first_run_id, est_input_tokens, line, now() AS created_at{reask} "
+                f"?::VARCHAR AS first_run_id, est_input_tokens, now() AS created_at{optional} "
                 "FROM req",
                 [run_id],
             )
@@ -247,11 +257,20 @@ class Store:
                 [*fields.values(), batch_id],
             )
 
+    def save_template(self, template_id: str, head: str, mid: str, tail: str) -> None:
+        with self.transaction() as con:
+            con.execute(
+                "INSERT OR IGNORE INTO request_templates VALUES (?, ?, ?, ?)",
+                [template_id, head, mid, tail],
+            )
+
     def batch_lines(self, batch_id: str) -> list[str]:
+        """The JSONL lines of a batch, exactly as they are sent, built in the database."""
         with self.connect() as con:
             rows = con.sql(
-                "SELECT r.line FROM batch_requests br JOIN requests r USING (custom_id) "
-                "WHERE br.batch_id = ? ORDER BY r.custom_id",
+                f"SELECT {LINE_SQL} AS line FROM batch_requests br JOIN requests q USING (custom_id) "
+                "LEFT JOIN request_templates t USING (template_id) "
+                "WHERE br.batch_id = ? ORDER BY q.custom_id",
                 params=[batch_id],
             ).to_arrow_table()
         return rows.column("line").to_pylist()
@@ -329,8 +348,9 @@ class Store:
             )
             return frame(
                 con,
-                "SELECT q.custom_id, q.request_key, q.line, q.est_input_tokens, r.error, "
-                "r.finish_reason FROM requests q JOIN wanted USING (custom_id) "
+                f"SELECT q.custom_id, q.request_key, {LINE_SQL} AS line, q.est_input_tokens, "
+                "r.error, r.finish_reason FROM requests q JOIN wanted USING (custom_id) "
+                "LEFT JOIN request_templates t USING (template_id) "
                 "LEFT JOIN results r USING (custom_id)",
             )
 

@@ -29,7 +29,7 @@ from lowtide.backends.base import (
 )
 from lowtide.emulator import Emulator, EmulatorConfig
 from lowtide.jobspec import JobSpec, load_job
-from tasks.assemble import plan_batches
+from tasks.assemble import openai_lines
 from tests.conftest import REPO, SAMPLE_JOB
 from tests.emulator.conftest import TEST_CONFIG, admin, advance, set_faults
 
@@ -52,15 +52,7 @@ def sample_lines(job: JobSpec, n: int) -> list[str]:
         },
         schema_overrides={"unit_tokens": pl.Int32},
     )
-    reqs, _, _ = plan_batches(
-        job,
-        "run1",
-        requests,
-        backend="anthropic",
-        max_requests=anthropic_batch.CAPABILITIES.max_requests,
-        max_bytes=anthropic_batch.CAPABILITIES.max_bytes,
-    )
-    return reqs["line"].to_list()
+    return openai_lines(job, requests).to_list()
 
 
 def ids_of(lines: list[str]) -> list[str]:

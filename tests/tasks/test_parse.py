@@ -4,10 +4,9 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from jsonschema import Draft202012Validator
 
 from lowtide.jobspec import load_job
-from tasks.parse import parse_one, parse_results
+from tasks.parse import compile_schema, parse_one, parse_results
 from tests.conftest import SAMPLE_JOB
 
 MALFORMED = Path(__file__).resolve().parents[1] / "fixtures" / "malformed"
@@ -15,7 +14,7 @@ MALFORMED = Path(__file__).resolve().parents[1] / "fixtures" / "malformed"
 
 @pytest.fixture(scope="module")
 def validator():
-    return Draft202012Validator(load_job(SAMPLE_JOB).output_schema)
+    return compile_schema(load_job(SAMPLE_JOB).output_schema)
 
 
 GOOD = '{"intent": "refund_request", "urgency": "normal", "summary": "wants money back"}'
