@@ -8,7 +8,7 @@ export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_LOGGING_LEVEL ?= WARNING
 
-.PHONY: demo test lint format install clean bench-engine bench-pool serve
+.PHONY: demo test lint format install clean bench-engine bench-pool bench-pipeline serve
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ format: $(STAMP)
 
 bench-engine: $(STAMP)
 	$(PY) bench/bench_engine.py
+
+ROWS ?= 100000
+bench-pipeline: $(STAMP)
+	$(PY) bench/bench_pipeline.py --rows $(ROWS)
 
 REQUESTS ?= 20000
 bench-pool: $(STAMP)

@@ -430,8 +430,19 @@ def status(
         + "ORDER BY run_id, shard, attempt",
         [run_id] if run_id else [],
     )
+    metrics = store.query(
+        "SELECT run_id, name, value FROM metrics "
+        + ("WHERE run_id = ? " if run_id else "")
+        + "ORDER BY run_id, name",
+        [run_id] if run_id else [],
+    )
     for rec in records:
         rec["batches"] = [b for b in batches.iter_rows(named=True) if b["run_id"] == rec["run_id"]]
+        rec["metrics"] = {
+            m["name"]: m["value"]
+            for m in metrics.iter_rows(named=True)
+            if m["run_id"] == rec["run_id"]
+        }
     if as_json:
         print(orjson.dumps(records, default=str, option=orjson.OPT_INDENT_2).decode())
         return
@@ -459,6 +470,15 @@ def status(
                 b["request_counts"] or "",
             )
         console.print(bt)
+        m = records[0]["metrics"]
+        if records[0].get("gate_note"):
+            console.print(f"held by the eval gate: {records[0]['gate_note']}")
+        if "qa_reviewed_accuracy" in m:
+            console.print(
+                f"QA review: {m['qa_reviewed']:.0f} reviewed, accuracy "
+                f"{m['qa_reviewed_accuracy']:.1%} (95% CI {m['qa_accuracy_ci_low']:.1%} to "
+                f"{m['qa_accuracy_ci_high']:.1%})"
+            )
 
 
 @app.command()

@@ -402,3 +402,21 @@ def test_urgent_rows_go_realtime_at_once(tmp_path: Path) -> None:
     urgent_requests = set(channels.filter(pl.col("source_id").is_in(urgent_ids))["custom_id"])
     realtime = channels.filter(pl.col("channel") == "realtime")
     assert set(realtime["custom_id"]) == urgent_requests  # rows sharing an urgent request too
+
+
+def test_past_the_deadline_stragglers_skip_further_batches(tmp_path: Path) -> None:
+    job = write_job(
+        tmp_path,
+        rows=10,
+        eval_rows=3,
+        extra="[retry]\nmax_attempts = 5\ndeadline_hours = 0.00001\n",
+    )
+    with Emulator(EmulatorConfig(time_scale=600.0, error_rate=1.0)) as emu:
+        s = enrich(job_file=str(job), emulator_url=emu.base_url)
+        _invariant(s, 10)
+        assert s["succeeded"] == 10  # answered through realtime
+    attempts = _store().query(
+        "SELECT max(attempt) AS a FROM batches WHERE run_id = ? AND backend <> 'realtime'",
+        [s["run_id"]],
+    )
+    assert attempts["a"][0] == 1  # no second batch attempt once the deadline had passed
