@@ -26,36 +26,46 @@ def _char_start(data: bytes, pos: int) -> int:
     return pos
 
 
-def split_text(
+def split_counted(
     text: str, max_tokens: int, overlap: int = 0, encoding: str = "o200k_base"
-) -> list[str]:
-    """Cut `text` into pieces of at most `max_tokens` tokens, consecutive pieces sharing
-    about `overlap` tokens. With overlap 0 the pieces concatenate to `text`."""
+) -> list[tuple[str, int]]:
+    """Cut `text` into (piece, token count) pairs of at most `max_tokens` tokens, consecutive
+    pieces sharing about `overlap` tokens. With overlap 0 the pieces concatenate to `text`.
+    Each piece is counted once, so callers need not tokenize it again."""
     data = text.encode("utf-8")
-    if len(data) <= max_tokens:
-        return [text]
     ids = encode(text, encoding)
     if len(ids) <= max_tokens:
-        return [text]
+        return [(text, len(ids))]
     enc = get_encoding(encoding)
     offsets = [0, *accumulate(len(b) for b in enc.decode_tokens_bytes(ids))]
     window = max(1, max_tokens - _EDGE_TOKENS)
     step = max(1, window - overlap)
-    pieces: list[str] = []
+    pieces: list[tuple[str, int]] = []
     start_tok = 0
     while True:
         end_tok = min(start_tok + window, len(ids))
         a = _char_start(data, offsets[start_tok])
         b = len(data) if end_tok == len(ids) else _char_start(data, offsets[end_tok])
         piece = data[a:b].decode("utf-8")
-        while count_tokens(piece, encoding) > max_tokens and b > a + 1:
+        tokens = count_tokens(piece, encoding)
+        while tokens > max_tokens and b > a + 1:
             b = _char_start(data, b - 1)
             piece = data[a:b].decode("utf-8")
-        pieces.append(piece)
+            tokens = count_tokens(piece, encoding)
+        pieces.append((piece, tokens))
         if end_tok >= len(ids):
             break
         start_tok += step
     return pieces
+
+
+def split_text(
+    text: str, max_tokens: int, overlap: int = 0, encoding: str = "o200k_base"
+) -> list[str]:
+    """The pieces of `split_counted` without their counts."""
+    if len(text.encode("utf-8")) <= max_tokens:
+        return [text]
+    return [piece for piece, _ in split_counted(text, max_tokens, overlap, encoding)]
 
 
 def chunk_units(
@@ -81,22 +91,22 @@ def chunk_units(
     )
     long_rows = rows.filter(long_mask)
     if long_rows.height:
-        pieces = [split_text(t, max_tokens, overlap, encoding) for t in long_rows["text"].to_list()]
+        counted = [
+            split_counted(t, max_tokens, overlap, encoding) for t in long_rows["text"].to_list()
+        ]
         if mode == "truncate":
-            pieces = [p[:1] for p in pieces]
+            counted = [c[:1] for c in counted]
         exploded = (
-            long_rows.with_columns(pl.Series("text", pieces, dtype=pl.List(pl.String)))
+            long_rows.with_columns(
+                pl.Series("text", [[p for p, _ in c] for c in counted], dtype=pl.List(pl.String)),
+                pl.Series(
+                    "unit_tokens", [[n for _, n in c] for c in counted], dtype=pl.List(pl.Int32)
+                ),
+            )
             .with_columns(pl.col("text").list.len().cast(pl.Int32).alias("n_chunks"))
-            .explode("text")
+            .explode("text", "unit_tokens")
             .with_columns(
                 pl.int_range(pl.len()).over("source_id").cast(pl.Int32).alias("chunk_index"),
-            )
-        )
-        exploded = exploded.with_columns(
-            pl.Series(
-                "unit_tokens",
-                [count_tokens(t, encoding) for t in exploded["text"].to_list()],
-                dtype=pl.Int32,
             )
         )
         short = pl.concat([short, exploded.select(short.columns)], how="vertical")
