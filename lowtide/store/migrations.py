@@ -59,7 +59,7 @@ MIGRATIONS: list[tuple[int, str, str]] = [
         );
         CREATE TABLE requests (
             custom_id VARCHAR PRIMARY KEY,    -- versioned, derived from request_key
-            request_key VARCHAR NOT NULL UNIQUE,
+            request_key VARCHAR NOT NULL,     -- custom_id is derived from it: no second index
             job VARCHAR NOT NULL,
             model VARCHAR NOT NULL,
             first_run_id VARCHAR NOT NULL,
