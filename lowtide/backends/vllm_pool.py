@@ -100,6 +100,7 @@ CAPABILITIES = Capabilities(
 )
 
 ENV_URLS = "LOWTIDE_VLLM_URLS"
+ENV_API_KEY = "LOWTIDE_VLLM_API_KEY"
 CHAT_PATH = "/v1/chat/completions"
 # Tags each request so the emulator's billing ledger can count executions per custom_id;
 # real servers ignore it.
@@ -123,7 +124,7 @@ class PoolConfig:
     """Where the servers are and how to feed them. `urls` are OpenAI base URLs ending in /v1."""
 
     urls: tuple[str, ...]
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # never printed or logged
     min_inflight: int = 1
     max_inflight: int = 256
     initial_inflight: int = 8
@@ -163,10 +164,17 @@ class PoolConfig:
         return min(max(self.initial_inflight, self.min_inflight), self.max_inflight)
 
     @classmethod
-    def from_spec(cls, spec: PoolSpec, env_urls: str | None = None, **overrides: Any) -> PoolConfig:
+    def from_spec(
+        cls,
+        spec: PoolSpec,
+        env_urls: str | None = None,
+        env_api_key: str | None = None,
+        **overrides: Any,
+    ) -> PoolConfig:
         """The pool for a job: endpoints from `LOWTIDE_VLLM_URLS` (comma-separated; pass
-        `os.environ.get("LOWTIDE_VLLM_URLS")`) or else the job file's `[pool] urls` — the
-        environment wins, as everywhere in lowtide — plus the job file's feeding settings.
+        `os.environ.get("LOWTIDE_VLLM_URLS")`) or else the job file's `[pool] urls`, the API
+        key from `LOWTIDE_VLLM_API_KEY` (pass `os.environ.get(...)`) or else `[pool] api_key` —
+        the environment wins, as everywhere in lowtide — plus the job file's feeding settings.
         `overrides` set any other field (tests, benches)."""
         urls: list[str] = []
         if env_urls and env_urls.strip():
@@ -182,7 +190,7 @@ class PoolConfig:
             )
         values: dict[str, Any] = {
             "urls": tuple(urls),
-            "api_key": spec.api_key,
+            "api_key": env_api_key or spec.api_key,
             "min_inflight": spec.min_inflight,
             "max_inflight": spec.max_inflight,
             "initial_inflight": spec.initial_inflight,
@@ -441,10 +449,11 @@ def next_cap(
     """One step of the adaptive in-flight cap; returns (new cap, still in slow start).
 
     The target is a server running all it can with a small queue (`headroom(running)`)
-    waiting. More waiting than that, at this poll and the `previous` one: shrink by the
-    smaller excess, but never below what the server runs plus the headroom, nor by more than
-    half; this ends slow start. (One poll is not enough: a burst of long prompts keeps a few
-    requests waiting for one prefill step although slots are free.) No more waiting than the
+    waiting. More waiting than that, now and at the `previous` reading (the caller passes one
+    only when the queue has stayed above the headroom for a full polling interval): shrink by
+    the smaller excess, but never below what the server runs plus the headroom, nor by more
+    than half; this ends slow start. (One reading is not enough: a burst of long prompts keeps
+    requests waiting for a few prefill steps although slots are free.) No more waiting than the
     headroom, KV cache room left, and the server holding (about) the cap already — requests
     still on their way or being tokenized say nothing yet about the server's room: grow, x2
     in slow start, else x1.125 (at least +1). An
@@ -497,7 +506,7 @@ class _Endpoint:
         self.up = False
         self.cap = float(config.start_cap)
         self.slow_start = True
-        self.last_load: EngineLoad | None = None
+        self.congested: tuple[float, EngineLoad] | None = None  # since when, first reading
         self.inflight = 0
         self.tasks: dict[int, asyncio.Task[None]] = {}
         self.queue: deque[int] = deque()
@@ -752,8 +761,8 @@ class _PoolRun:
         reason = f"HTTP {status} {_error_text(response)}"
         if status in (401, 403):
             self.fatal = TerminalBackendError(
-                f"vLLM endpoint {ep.url} refused the API key ({reason}); set [pool] api_key "
-                "in the job file to the servers' --api-key",
+                f"vLLM endpoint {ep.url} refused the API key ({reason}); set "
+                f"{ENV_API_KEY} (or [pool] api_key in the job file) to the servers' --api-key",
                 backend="vllm",
                 operation="chat",
             )
@@ -841,7 +850,7 @@ class _PoolRun:
     def _bring_up(self, ep: _Endpoint) -> None:
         ep.up = True
         ep.slow_start = True
-        ep.last_load = None
+        ep.congested = None
         self._set_cap(ep, float(self.config.start_cap))
         self.all_down_since = None
         self._wake_all()
@@ -863,7 +872,17 @@ class _PoolRun:
             load = parse_metrics(response.text) if response.status_code == 200 else None
             if load is None or not ep.up:
                 continue
-            previous, ep.last_load = ep.last_load, load
+            # A queue above the headroom must last a full interval before the cap shrinks
+            # (slow start polls faster; a burst of long prompts clears within a few steps).
+            now = time.monotonic()
+            previous = None
+            if load.waiting <= headroom(load.running):
+                ep.congested = None
+            elif ep.congested is None:
+                ep.congested = (now, load)
+            elif now - ep.congested[0] >= 0.9 * cfg.metrics_interval_s:
+                previous = ep.congested[1]
+                ep.congested = None
             cap, ep.slow_start = next_cap(
                 ep.cap,
                 load,

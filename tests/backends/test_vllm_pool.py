@@ -17,6 +17,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import duckdb
@@ -31,6 +32,7 @@ from fastapi.responses import Response
 from lowtide.backends.base import RESULT_SCHEMA, TerminalBackendError, TransientBackendError
 from lowtide.backends.openai_batch import parse_result_lines
 from lowtide.backends.vllm_pool import (
+    ENV_API_KEY,
     ENV_URLS,
     EngineLoad,
     PoolConfig,
@@ -157,6 +159,14 @@ def test_urls_from_the_environment_win_over_the_job_file():
     from_env = PoolConfig.from_spec(spec, env_urls=" http://env-a:8000 , http://env-b:8000/v1/ ,")
     assert from_env.urls == ("http://env-a:8000/v1", "http://env-b:8000/v1")
     assert PoolConfig.from_spec(spec, env_urls="  ").urls == ("http://job-a:8000/v1",)
+
+
+def test_api_key_from_the_environment_wins_and_is_never_printed():
+    spec = PoolSpec(urls=["http://a:8000/v1"], api_key="from-job-file")
+    assert PoolConfig.from_spec(spec).api_key == "from-job-file"
+    config = PoolConfig.from_spec(spec, env_api_key="from-env")
+    assert config.api_key == "from-env"
+    assert "from-env" not in repr(config) and "from-env" not in str(config)
 
 
 def test_no_urls_names_both_places():
@@ -362,6 +372,60 @@ def test_an_unhealthy_engine_is_taken_out_and_comes_back(engines):
     assert after > 150
 
 
+@pytest.fixture
+def wedged_server() -> Iterator[dict[str, Any]]:
+    """A server whose engine hangs: chat requests never answer, and once `hung` is set, neither
+    do /health and /metrics (a process stuck rather than dead: no connection is refused)."""
+    state: dict[str, Any] = {"hung": False, "chats": 0}
+    app = FastAPI()
+
+    async def maybe_hang() -> None:
+        while state["hung"]:
+            await asyncio.sleep(0.05)
+
+    @app.get("/health")
+    async def health() -> Response:
+        await maybe_hang()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        await maybe_hang()
+        return Response("vllm:num_requests_running 0.0\nvllm:num_requests_waiting 0.0\n")
+
+    @app.post("/v1/chat/completions")
+    async def chat() -> Response:
+        state["chats"] += 1
+        state["hung"] = True
+        await asyncio.sleep(3600)
+        return Response(status_code=500)
+
+    server = run_in_thread(app)
+    state["url"] = server.base_url + "/v1"
+    yield state
+    state["hung"] = False
+    server.stop()
+
+
+def test_a_hung_endpoint_is_taken_out_and_its_requests_reclaimed(engines, wedged_server):
+    ledger = BillingLedger()
+    pool = engines(1, ledger=ledger)
+    urls = [wedged_server["url"], pool.urls[0]]
+    requests = make_requests(100)
+    collect = Collector()
+    stats = run_pool(requests, config(urls, prefix_grouping=False, request_timeout_s=60), collect)
+    assert wedged_server["chats"] >= 1
+    wedged = stats.per_endpoint[urls[0]]
+    assert wedged.failovers == 1 and wedged.requeued == wedged.sent == wedged_server["chats"]
+    assert wedged.answered == 0
+    results = collect.results
+    assert results.height == 100 and results["custom_id"].n_unique() == 100
+    assert set(results["status"]) == {"answered"}
+    assert ledger.count_by_custom_id() == dict.fromkeys(requests["custom_id"], 1)
+    assert len(stats.resent) == wedged.requeued  # each went out again once
+    assert stats.wall_s < 30  # reclaimed after connect_timeout_s, not request_timeout_s
+
+
 def test_adaptive_cap_grows_on_an_idle_engine_and_shrinks_when_saturated(engines):
     pool = engines(1, EngineConfig(max_num_seqs=4, time_scale=10.0))
     stats = run_pool(
@@ -543,7 +607,7 @@ def test_api_key_is_sent_and_a_refused_key_stops_the_run(engines):
     pool = engines(1, api_key="secret")
     stats = run_pool(make_requests(5), config(pool.urls, api_key="secret"), lambda frame: None)
     assert stats.answered == 5
-    with pytest.raises(TerminalBackendError, match=r"refused the API key.*\[pool\] api_key"):
+    with pytest.raises(TerminalBackendError, match=r"refused the API key.*LOWTIDE_VLLM_API_KEY"):
         run_pool(make_requests(5), config(pool.urls), lambda frame: None)
 
 
@@ -719,3 +783,28 @@ def test_run_batch_shards_hold_every_stored_line_once(tmp_path):
         assert set(orjson.loads(line)) == {"custom_id", "method", "url", "body"}
     assert [len(p.read_text().splitlines()) for p in paths] == [7, 6, 6, 6]
     assert len(write_run_batch_shards(make_requests(2), tmp_path / "few", shards=4)) == 2
+
+
+def test_kubernetes_examples_match_the_pool_and_run_batch_helpers():
+    import yaml
+
+    k8s = Path(__file__).resolve().parents[2] / "deployments" / "k8s"
+    servers = list(yaml.safe_load_all((k8s / "vllm-servers.yaml").read_text()))
+    assert [d["kind"] for d in servers] == ["Deployment", "Service"]
+    assert servers[1]["spec"]["clusterIP"] == "None"  # headless: one DNS record per pod
+    args = servers[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert any(a.startswith("--max-num-seqs=") for a in args)
+
+    (run,) = yaml.safe_load_all((k8s / "lowtide-run.yaml").read_text())
+    (init,) = run["spec"]["template"]["spec"]["initContainers"]
+    compile(init["command"][2], "vllm-urls", "exec")  # the URL builder is valid Python
+    main = run["spec"]["template"]["spec"]["containers"][0]
+    assert ENV_URLS in " ".join(main["command"])
+    assert ENV_API_KEY in {e["name"] for e in main["env"]}
+
+    (job,) = yaml.safe_load_all((k8s / "vllm-run-batch-indexed-job.yaml").read_text())
+    assert job["spec"]["completionMode"] == "Indexed"
+    command = " ".join(job["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert "-i /batch/$RUN/shard-$JOB_COMPLETION_INDEX.jsonl" in command
+    assert "-o /batch/$RUN/results-$JOB_COMPLETION_INDEX.jsonl" in command
+    assert "--max-num-seqs" in command and "--max-num-batched-tokens" in command
