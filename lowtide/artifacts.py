@@ -1,12 +1,19 @@
 """What a run shows in the Prefect UI: a progress artifact while it waits, and when it ends a
 table of its numbers and cost plus a markdown report. Artifacts are written only inside a flow
 run; elsewhere (unit tests calling a task's .fn) these functions do nothing.
+
+The flow run's Artifacts tab lists artifacts as cards that show only their key and description,
+so each description carries the headline (rows, outcomes, cost) and the table holds the detail.
+Keys are per job (`<job>-run`, `<job>-report`, `<job>-progress`), so the Artifacts page also
+keeps each job's history run after run.
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 from prefect.context import FlowRunContext
 
@@ -27,76 +34,154 @@ def start_progress(job: str) -> str | None:
     from prefect.artifacts import create_progress_artifact
 
     artifact_id = create_progress_artifact(
-        progress=0.0, key=_key(job, "progress"), description=f"{job}: requests finished"
+        progress=0.0, key=_key(job, "progress"), description=f"{job}: waiting for requests"
     )
     return str(artifact_id)
 
 
 def update_progress(artifact_id: str | None, done: int, total: int) -> None:
+    """Move the progress artifact to done/total requests finished (a no-op outside a run)."""
     if artifact_id is None or total <= 0:
         return
     from prefect.artifacts import update_progress_artifact
 
-    update_progress_artifact(artifact_id=artifact_id, progress=min(100.0, 100.0 * done / total))
+    update_progress_artifact(
+        artifact_id=UUID(artifact_id),
+        progress=min(100.0, 100.0 * done / total),
+        description="all requests finished"
+        if done >= total
+        else f"{_int(done)} of {_int(total)} requests finished",
+    )
 
 
 def _usd(value: Any) -> str:
-    return "" if value is None else f"${float(value):.4f}"
+    return "" if value is None else f"${float(value):,.4f}"
+
+
+def _int(value: Any) -> str:
+    return "" if value is None else f"{int(value):,}"
+
+
+def _pct(value: Any) -> str:
+    return "" if value is None else f"{float(value):.2%}"
+
+
+def headline(summary: dict[str, Any]) -> str:
+    """Rows, cost and failures in one short line: the Artifacts tab cuts card descriptions at
+    about 45 characters, so the numbers an operator checks come first.
+
+    >>> headline({"job": "j", "rows": 1200, "succeeded": 1190, "failed": 10, "cost_usd": 0.5})
+    '1,200 rows · cost $0.5000 · 10 failed'
+    """
+    return (
+        f"{_int(summary.get('rows') or 0)} rows · cost {_usd(summary.get('cost_usd') or 0.0)} · "
+        f"{_int(summary.get('failed') or 0)} failed"
+    )
+
+
+# The run's key numbers, in the order they are shown: (metric name, label, format).
+_KEY_METRICS = (
+    ("completions_per_minute", "completions per minute", lambda v: f"{v:,.1f}"),
+    ("failure_rate", "failure rate", _pct),
+    ("retry_rate", "retry rate", _pct),
+    ("mean_context_tokens", "mean context tokens", lambda v: f"{v:,.0f}"),
+    ("slowest_unit_s", "slowest unit (s)", lambda v: f"{v:,.1f}"),
+    ("max_output_tokens", "longest answer (tokens)", lambda v: f"{v:,.0f}"),
+)
 
 
 def run_table(summary: dict[str, Any]) -> list[dict[str, str]]:
-    """The run's numbers as rows of (metric, value), the shape the UI's table shows best."""
+    """The run's numbers as rows of (metric, value), the shape the UI's table shows best.
+
+    Row count and cost come first: they are what an operator checks every morning."""
     m = summary.get("metrics") or {}
     realtime = summary.get("realtime_cost_usd") or 0.0
     cost = summary.get("cost_usd") or 0.0
-    rows = [
-        ("run", summary.get("run_id")),
-        ("status", summary.get("status")),
-        ("backend / model", f"{summary.get('backend')} / {summary.get('model')}"),
-        ("rows", summary.get("rows")),
-        ("succeeded", summary.get("succeeded")),
-        ("failed", summary.get("failed")),
-        ("units", summary.get("units")),
-        ("unique requests", summary.get("unique_requests")),
-        ("cache hits", summary.get("cache_hits")),
-        ("requests sent", summary.get("requests_sent")),
-        ("input tokens", summary.get("input_tokens")),
-        ("cached input tokens", summary.get("cached_tokens")),
-        ("output tokens", summary.get("output_tokens")),
+    rows: list[tuple[str, Any]] = [
+        ("rows", _int(summary.get("rows"))),
         ("cost", _usd(cost)),
+        ("succeeded", _int(summary.get("succeeded"))),
+        ("failed", _int(summary.get("failed"))),
+        ("status", summary.get("status")),
+        ("run", summary.get("run_id")),
+        ("backend / model", f"{summary.get('backend')} / {summary.get('model')}"),
+        ("units", _int(summary.get("units"))),
+        ("unique requests", _int(summary.get("unique_requests"))),
+        ("cache hits", _int(summary.get("cache_hits"))),
+        ("requests sent", _int(summary.get("requests_sent"))),
+        ("input tokens", _int(summary.get("input_tokens"))),
+        ("cached input tokens", _int(summary.get("cached_tokens"))),
+        ("output tokens", _int(summary.get("output_tokens"))),
         ("estimate", _usd(summary.get("estimate_usd"))),
         ("realtime counterfactual", _usd(realtime)),
-        ("savings", _usd(realtime - cost)),
-        ("completions per minute", f"{m.get('completions_per_minute', 0):.1f}"),
-        ("failure rate", f"{m.get('failure_rate', 0):.2%}"),
-        ("retry rate", f"{m.get('retry_rate', 0):.2%}"),
-        ("mean context tokens", f"{m.get('mean_context_tokens', 0) or 0:.0f}"),
         (
-            "eval accuracy",
-            "" if summary.get("eval_accuracy") is None else f"{summary['eval_accuracy']:.1%}",
+            "savings",
+            _usd(realtime - cost) + (f" ({(realtime - cost) / realtime:.0%})" if realtime else ""),
         ),
     ]
+    for name, label, fmt in _KEY_METRICS:
+        if m.get(name) is not None:
+            rows.append((label, fmt(m[name])))
+    if summary.get("eval_accuracy") is not None:
+        rows.append(("eval accuracy", f"{summary['eval_accuracy']:.1%}"))
     return [{"metric": k, "value": "" if v is None else str(v)} for k, v in rows]
 
 
+def _link(path: str) -> str:
+    p = Path(path).expanduser().resolve()
+    return f"[`{path}`]({p.as_uri()})"
+
+
 def run_report_markdown(summary: dict[str, Any]) -> str:
-    lines = [f"# {summary.get('job')} — run {summary.get('run_id')}", ""]
+    """The run report: outcome, QA sample, eval scores (against the previous published run when
+    the summary carries `eval_previous_by_field`), failures by reason and links to the files.
+
+    Optional summary keys used when present: `qa_samples` (rows sampled for review),
+    `exports` (label → file path), `eval_previous_by_field`, `eval_flagged`."""
+    job = str(summary.get("job", ""))
+    lines = [f"# {job} — run {summary.get('run_id')}", ""]
     lines.append(
-        f"**{summary.get('succeeded')}** of **{summary.get('rows')}** rows succeeded, "
-        f"**{summary.get('failed')}** failed; cost {_usd(summary.get('cost_usd'))}."
+        f"**{_int(summary.get('succeeded') or 0)}** of **{_int(summary.get('rows') or 0)}** rows "
+        f"succeeded, **{_int(summary.get('failed') or 0)}** failed; cost "
+        f"**{_usd(summary.get('cost_usd') or 0.0)}** "
+        f"(estimate {_usd(summary.get('estimate_usd')) or 'n/a'}, "
+        f"realtime {_usd(summary.get('realtime_cost_usd')) or 'n/a'})."
     )
-    evals = summary.get("eval_by_field") or {}
+    if summary.get("qa_samples") is not None:
+        lines += [
+            "",
+            "## QA sample",
+            "",
+            f"{_int(summary['qa_samples'])} rows sampled for human review "
+            f"(table `qa_samples`, run `{summary.get('run_id')}`).",
+        ]
+    evals = {k: v for k, v in (summary.get("eval_by_field") or {}).items() if v is not None}
     if evals:
-        lines += ["", "## Eval set", "", "| field | accuracy |", "|---|---|"]
-        lines += [f"| {k} | {v:.1%} |" for k, v in evals.items() if v is not None]
+        previous = summary.get("eval_previous_by_field") or {}
+        lines += ["", "## Eval set", ""]
+        if previous:
+            lines += ["| field | accuracy | previous | change |", "|---|---|---|---|"]
+            for k, v in evals.items():
+                before = previous.get(k)
+                change = "" if before is None else f"{(v - before) * 100:+.1f} pt"
+                prev = "" if before is None else f"{before:.1%}"
+                lines.append(f"| {k} | {v:.1%} | {prev} | {change} |")
+        else:
+            lines += ["| field | accuracy |", "|---|---|"]
+            lines += [f"| {k} | {v:.1%} |" for k, v in evals.items()]
+        if summary.get("eval_flagged"):
+            lines += ["", f"**Eval drop flagged:** {summary['eval_flagged']}"]
     failures = summary.get("failures_by_reason") or {}
     if failures:
         lines += ["", "## Failures by reason", "", "| reason | rows |", "|---|---|"]
-        lines += [f"| {k} | {v} |" for k, v in failures.items()]
-    lines += [
-        "",
-        f"Published to `{summary.get('db')}`: `SELECT * FROM {str(summary.get('job', '')).replace('-', '_')}`.",
-    ]
+        lines += [f"| {k} | {_int(v)} |" for k, v in failures.items()]
+    files = {"published database": summary.get("db"), **(summary.get("exports") or {})}
+    files = {k: v for k, v in files.items() if v}
+    if files:
+        lines += ["", "## Files", ""]
+        lines += [f"- {label}: {_link(str(path))}" for label, path in files.items()]
+    view = job.replace("-", "_")
+    lines += ["", f'First query: `lowtide sql "SELECT * FROM {view} LIMIT 10"`.']
     return "\n".join(lines)
 
 
@@ -110,10 +195,10 @@ def publish_run_report(summary: dict[str, Any]) -> None:
     create_table_artifact(
         table=run_table(summary),
         key=_key(job, "run"),
-        description=f"{job}: the run's numbers and cost",
+        description=headline(summary),
     )
     create_markdown_artifact(
         markdown=run_report_markdown(summary),
         key=_key(job, "report"),
-        description=f"{job}: run report",
+        description="QA sample, eval set, failures, files",
     )
