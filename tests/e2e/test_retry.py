@@ -43,8 +43,9 @@ def test_retry_after_a_crash_finishes_without_paying_twice(
     server = deployed.server
     server.ensure_queue(QUEUE)
     state_file = tmp_path / "state.duckdb"
-    # slow enough that the first poll finds the batch still running, so during_poll is reached
-    with Emulator(EmulatorConfig(time_scale=30.0, error_rate=0.0, seed=1)) as emu:
+    # A slow clock: the batch (about 22 simulated seconds) is still running at the first poll
+    # even on a busy machine, so the crash at during_poll is reached.
+    with Emulator(EmulatorConfig(time_scale=3.0, error_rate=0.0, seed=1)) as emu:
         env = run_env(tmp_path, emu.base_url)
 
         armed = server.start_worker(tmp_path, "e2e-crash", QUEUE, LOWTIDE_CRASH_AT="during_poll")
