@@ -9,6 +9,7 @@
 #   WORK_POOL (lowtide)    the process work pool named in deployments/prefect.yaml
 #   WORKER_NAME            the worker's name in the UI (lowtide-<hostname>)
 #   SERVE_LOGS             where the server, emulator and deploy logs go (.lowtide/serve/)
+#   SERVE_LOG_LEVEL        Prefect's log level for the worker and the flow runs (INFO)
 #
 # The worker prints here. LOWTIDE_STATE / LOWTIDE_DB / LOWTIDE_WORK_DIR and provider keys set
 # before `make serve` reach every flow run (the worker passes its environment on).
@@ -32,6 +33,9 @@ export DO_NOT_TRACK=1
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
 export PREFECT_API_URL="http://127.0.0.1:$PREFECT_PORT/api"
 export PREFECT_UI_URL="http://127.0.0.1:$PREFECT_PORT"
+# INFO, not the Makefile's quiet WARNING: the worker's terminal log and each run's Logs tab in
+# the UI are what an operator reads.
+export PREFECT_LOGGING_LEVEL="${SERVE_LOG_LEVEL:-INFO}"
 mkdir -p "$PREFECT_HOME" "$LOGS"
 
 say() { printf '\033[1m%s\033[0m\n' "$*"; }
