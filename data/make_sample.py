@@ -1756,7 +1756,7 @@ schema_file = "../schemas/support-intent.json"
 [model]
 backend = "emulator"      # emulator | openai | anthropic | vllm
 name = "gpt-4o-mini"
-names = { anthropic = "claude-haiku-4-5" }   # per-backend model names; `name` is the default
+names = { anthropic = "claude-haiku-4-5", vllm = "qwen2.5-7b-instruct" }   # per-backend model ids
 temperature = 0.0
 max_tokens = 200
 extra_body = {}

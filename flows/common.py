@@ -31,6 +31,7 @@ from tasks.qa import qa_task
 from tasks.realtime import deadline_passed, realtime_task
 from tasks.reconcile import reconcile_task
 from tasks.retry import plan_retries_task, reask_line
+from tasks.stream import stream_task
 from tasks.submit import submit_task
 
 
@@ -57,6 +58,8 @@ def now() -> datetime:
 
 
 def price_for(job: JobSpec, backend_name: str) -> Price:
+    if backend_name == "vllm":  # priced by GPU time in tasks/stream.py, not per token
+        return Price("vllm", job.model.name, "gpu-hour", 0.0, 0.0, 0.0, 1.0)
     provider = "emulator" if backend_name == "emulator" else backend_name
     return load_price(job.resolve(job.cost.price_table), provider, job.model.name)
 
@@ -76,7 +79,10 @@ def emulator_for(backend: str, url: str | None) -> Iterator[str | None]:
 
 
 def submit_pending(job: JobSpec, ctx: RunContext, run_id: str) -> int:
-    """Send every batch of the run that has no provider id yet; returns how many."""
+    """Send every batch of the run that has no provider id yet; returns how many. On the vllm
+    backend each pending shard is streamed through the pool to the end instead."""
+    if ctx.backend_name == "vllm":
+        return _stream_pending(job, ctx, run_id)
     pending = ctx.store.query(
         "SELECT batch_id FROM batches WHERE run_id = ? AND provider_batch_id IS NULL "
         "AND backend <> 'realtime' AND status IN ('pending', 'uploaded') ORDER BY attempt, shard",
@@ -93,6 +99,20 @@ def submit_pending(job: JobSpec, ctx: RunContext, run_id: str) -> int:
         )
         ctx.store.update_run(run_id, requests_sent=int(sent), status="submitted")
     return len(pending)
+
+
+def _stream_pending(job: JobSpec, ctx: RunContext, run_id: str) -> int:
+    shards = ctx.store.query(
+        "SELECT batch_id FROM batches WHERE run_id = ? AND backend = 'vllm' AND NOT collected "
+        "ORDER BY attempt, shard",
+        [run_id],
+    )["batch_id"].to_list()
+    for batch_id in shards:
+        ctx.store.update_run(run_id, status="submitted")
+        stream_task(job, batch_id, run_id, ctx.state_path)
+    if shards:
+        ctx.store.fold_reasks()
+    return len(shards)
 
 
 def collect_ended(job: JobSpec, ctx: RunContext, run_id: str) -> int:
@@ -159,7 +179,7 @@ def schedule_retries(job: JobSpec, ctx: RunContext, run_id: str) -> bool:
         else:
             _new_batches(job, ctx, run_id, reasks)
         started = True
-    if plan["realtime"]:
+    if plan["realtime"] and ctx.backend_name != "vllm":  # the pool is already "realtime"
         realtime_task(
             run_id,
             plan["realtime"],

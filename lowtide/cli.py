@@ -187,7 +187,8 @@ def _exit_for(summary: dict[str, Any], wait: bool = True) -> None:
 def run(
     job_file: Annotated[Path, typer.Argument(help="The job file (TOML).")],
     backend: Annotated[
-        str | None, typer.Option(help="emulator | openai (overrides the job file).")
+        str | None,
+        typer.Option(help="emulator | openai | anthropic | vllm (overrides the job file)."),
     ] = None,
     db: Annotated[
         Path | None,
@@ -524,6 +525,16 @@ def emulator(
         if pool is not None:
             pool.close()
 
+
+def _register_plan() -> None:
+    from lowtide.planner import plan_command
+
+    app.command(
+        "plan", help="Capacity plan for a vLLM pool: sequences that fit, engine settings, cost."
+    )(plan_command)
+
+
+_register_plan()
 
 qa_app = typer.Typer(no_args_is_help=True, help="Human review of a run's QA sample.")
 app.add_typer(qa_app, name="qa")

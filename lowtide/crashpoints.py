@@ -18,6 +18,8 @@ POINTS = (
     "during_download",  # results downloaded but not yet stored
 )
 
+POOL_POINTS = ("during_stream",)  # vllm backend: after a group of answers was committed
+
 
 def crash_point(name: str) -> None:
     if os.environ.get("LOWTIDE_CRASH_AT") == name:

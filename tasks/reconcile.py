@@ -30,10 +30,17 @@ def request_costs(results: pl.DataFrame, price: Price) -> pl.DataFrame:
         + tok["cached_tokens"] * price.cached_input
         + tok["output_tokens"] * price.output
     ) / 1e6
-    batch = pl.col("channel").fill_null("batch") == "batch"
+    channel = pl.col("channel").fill_null("batch")
+    # a pool's requests were priced by GPU time when they ran (tasks/stream.py)
+    pooled = pl.col("cost_usd").fill_null(0.0) if "cost_usd" in results.columns else pl.lit(0.0)
     return results.with_columns(
-        pl.when(batch).then(list_usd * price.batch_discount).otherwise(list_usd).alias("cost_usd"),
-        list_usd.alias("realtime_usd"),
+        pl.when(channel == "pool")
+        .then(pooled)
+        .when(channel == "batch")
+        .then(list_usd * price.batch_discount)
+        .otherwise(list_usd)
+        .alias("cost_usd"),
+        pl.when(channel == "pool").then(pooled).otherwise(list_usd).alias("realtime_usd"),
     )
 
 

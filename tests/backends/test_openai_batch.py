@@ -63,6 +63,7 @@ def test_missing_key_says_where_it_looked() -> None:
 
 def test_unknown_backend_lists_known() -> None:
     with pytest.raises(
-        TerminalBackendError, match="Unknown backend 'vllm2'; known: emulator, openai, anthropic"
+        TerminalBackendError,
+        match="Unknown backend 'vllm2'; known: emulator, openai, anthropic, vllm",
     ):
         make_backend("vllm2")

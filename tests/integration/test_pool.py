@@ -1,0 +1,110 @@
+"""The whole job on backend `vllm`: a pool of emulated vLLM servers, one stopped mid-run, and a
+run killed midway and resumed; checked in the store and the engines' billing ledger."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from flows.enrich import enrich
+from lowtide.emulator.engine import EngineConfig
+from lowtide.emulator.ledger import BillingLedger
+from lowtide.emulator.vllm_pool import start_engines
+from lowtide.store.state import Store
+from tests.integration.conftest import write_job
+
+pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.slow]
+
+MODEL = "qwen2.5-7b-instruct"  # the sample job's model id for backend vllm
+POOL = "[pool]\ncheckpoint_every = 20\ngpu_hour_usd = 3.6\ngpus = 1\n"
+
+
+def _answered(store: Store, run_id: str) -> set[str]:
+    return set(
+        store.query(
+            "SELECT r.custom_id FROM results r JOIN batch_requests br ON br.custom_id = r.custom_id "
+            "JOIN batches b ON b.batch_id = br.batch_id "
+            "WHERE b.run_id = ? AND r.outcome IN ('ok', 'repaired')",
+            [run_id],
+        )["custom_id"]
+    )
+
+
+def test_pool_run_survives_an_engine_stopped_midway(tmp_path: Path, monkeypatch) -> None:
+    job = write_job(tmp_path, rows=300, eval_rows=10, extra=POOL)
+    ledger = BillingLedger()
+    with start_engines(
+        3, EngineConfig(time_scale=10.0), ledger=ledger, served_model_name=MODEL
+    ) as pool:
+        monkeypatch.setenv("LOWTIDE_VLLM_URLS", ",".join(pool.urls))
+
+        def stop_one() -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and len(ledger.count_by_custom_id()) < 60:
+                time.sleep(0.05)
+            pool.stop(1)
+
+        stopper = threading.Thread(target=stop_one)
+        stopper.start()
+        s = enrich(job_file=str(job), backend="vllm")
+        stopper.join()
+        assert pool.is_stopped(1)
+    assert s["status"] == "completed"
+    assert s["rows"] == 300 == s["succeeded"] + s["failed"]
+    assert s["failed"] == 0
+    counts = ledger.count_by_custom_id()
+    assert len(counts) == s["unique_requests"]
+    assert set(counts.values()) == {1}, "a request was answered twice"
+    store = Store(os.environ["LOWTIDE_STATE"])
+    cost = store.query(
+        "SELECT cost_usd FROM costs WHERE run_id = ? AND level = 'run'", [s["run_id"]]
+    )
+    assert cost["cost_usd"][0] > 0  # priced by GPU time
+
+
+def test_pool_run_killed_midway_resends_only_the_missing(tmp_path: Path) -> None:
+    from prefect.settings import PREFECT_API_URL
+
+    job = write_job(tmp_path, rows=200, eval_rows=10, extra=POOL)
+    ledger = BillingLedger()
+    with start_engines(
+        2, EngineConfig(time_scale=10.0), ledger=ledger, served_model_name=MODEL
+    ) as pool:
+        env = {
+            **os.environ,
+            "LOWTIDE_VLLM_URLS": ",".join(pool.urls),
+            "LOWTIDE_CRASH_AT": "during_stream",
+            "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+        }
+        crashed = subprocess.run(
+            [sys.executable, "-m", "lowtide.cli", "run", str(job), "--backend", "vllm"],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert crashed.returncode == -signal.SIGKILL, crashed.stdout + crashed.stderr
+        store = Store(os.environ["LOWTIDE_STATE"])
+        run_id = store.list_runs().row(0, named=True)["run_id"]
+        kept = _answered(store, run_id)
+        assert kept  # the first group of answers was committed before the kill
+        before = ledger.count_by_custom_id()
+
+        os.environ["LOWTIDE_VLLM_URLS"] = ",".join(pool.urls)
+        try:
+            s = enrich(job_file=str(job), backend="vllm")
+        finally:
+            del os.environ["LOWTIDE_VLLM_URLS"]
+    assert s["run_id"] == run_id and s["status"] == "completed"
+    assert s["rows"] == 200 == s["succeeded"] + s["failed"]
+    after = ledger.count_by_custom_id()
+    assert all(after[k] == before[k] for k in kept)  # nothing stored was sent again
+    assert len(after) == s["unique_requests"]
