@@ -7,17 +7,23 @@ Holds no worker while providers work: each call is a few seconds, then it exits.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 from prefect import flow
 
 from flows.common import RunContext, drive_run, emulator_for, finish_run, price_for, summary
+from lowtide import artifacts
 from lowtide.jobspec import load_job
 from lowtide.settings import Settings
 from lowtide.store.state import Store
 
 
-@flow(name="collect", flow_run_name="collect", log_prints=False)
+def _run_name() -> str:
+    return f"collect-{datetime.now(UTC):%Y-%m-%d-%H%M}"
+
+
+@flow(name="collect", flow_run_name=_run_name, log_prints=False)
 def collect(
     state: str | None = None, db: str | None = None, emulator_url: str | None = None
 ) -> list[dict[str, Any]]:
@@ -37,7 +43,11 @@ def collect(
             ctx = RunContext(
                 settings, store, run["backend"], emu_url, price_for(job, run["backend"])
             )
-            if drive_run(job, ctx, run["run_id"], wait=False):
+            finished = drive_run(job, ctx, run["run_id"], wait=False)
+            if finished:
                 finish_run(job, ctx, run["run_id"])
-        touched.append(summary(store, run["run_id"], settings))
+        result = summary(store, run["run_id"], settings)
+        if finished:
+            artifacts.publish_run_report(result)
+        touched.append(result)
     return touched

@@ -334,9 +334,17 @@ def summary(store: Store, run_id: str, settings: Settings) -> dict[str, Any]:
     )
     units = store.query(
         "SELECT count(*) FILTER (WHERE kind = 'row' AND cache_hit) AS row_units_cached, "
-        "count(*) FILTER (WHERE kind = 'eval') AS eval_units FROM units WHERE run_id = ?",
-        [run_id],
+        "count(*) FILTER (WHERE kind = 'eval') AS eval_units, "
+        "(SELECT count(*) FROM qa_samples WHERE run_id = ?) AS qa_samples "
+        "FROM units WHERE run_id = ?",
+        [run_id, run_id],
     ).row(0, named=True)
+    previous = store.query(
+        "SELECT field, accuracy FROM eval_scores WHERE run_id = (SELECT run_id FROM runs "
+        "WHERE job = ? AND published_at IS NOT NULL AND run_id <> ? "
+        "ORDER BY published_at DESC LIMIT 1) ORDER BY field",
+        [run.get("job"), run_id],
+    )
     return {
         **{k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in run.items()},
         **tokens,
@@ -344,6 +352,7 @@ def summary(store: Store, run_id: str, settings: Settings) -> dict[str, Any]:
         "metrics": metrics,
         "failures_by_reason": dict(reasons.iter_rows()),
         "eval_by_field": dict(evals.iter_rows()),
+        "eval_previous_by_field": dict(previous.iter_rows()),
         "db": str(settings.db),
         "state": str(settings.state),
     }
