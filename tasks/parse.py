@@ -92,17 +92,14 @@ def parse_results(joined: pl.DataFrame, schema: dict[str, Any]) -> pl.DataFrame:
     )
 
 
-@task(name="parse", task_run_name="parse-{batch_id}")
-def parse_task(joined: dict, batch_id: str, schema: dict, state_path: str, run_id: str) -> dict:
-    """Validate a batch's answers and store them (upsert by custom_id); mark the batch collected."""
-    frame = parse_results(pl.read_parquet(joined["results"]), schema)
-    store = Store(state_path)
-    attempts = store.query(
-        "SELECT custom_id, count(*)::INTEGER AS attempts FROM batch_requests "
-        "WHERE custom_id IN (SELECT custom_id FROM batch_requests WHERE batch_id = ?) GROUP BY 1",
-        [batch_id],
-    )
-    rows = frame.join(attempts, on="custom_id", how="left").select(
+def store_parsed(
+    store: Store, parsed: pl.DataFrame, *, batch_id: str, run_id: str, channel: str = "batch"
+) -> dict[str, int]:
+    """Upsert parsed results (by custom_id) with how often each request was tried; returns the
+    count per outcome. One place for every channel: batch, realtime and pool."""
+    rows = parsed.join(
+        store.attempt_counts(parsed["custom_id"]), on="custom_id", how="left"
+    ).select(
         "custom_id",
         pl.lit(batch_id).alias("batch_id"),
         pl.lit(run_id).alias("run_id"),
@@ -115,8 +112,18 @@ def parse_task(joined: dict, batch_id: str, schema: dict, state_path: str, run_i
         "cached_tokens",
         "output_tokens",
         pl.col("attempts").fill_null(1),
+        pl.lit(channel).alias("channel"),
     )
     store.upsert_results(rows)
-    store.update_batch(batch_id, collected=True)
-    counts = frame["outcome"].value_counts()
+    counts = parsed["outcome"].value_counts()
     return dict(zip(counts["outcome"].to_list(), counts["count"].to_list(), strict=True))
+
+
+@task(name="parse", task_run_name="parse-{batch_id}")
+def parse_task(joined: dict, batch_id: str, schema: dict, state_path: str, run_id: str) -> dict:
+    """Validate a batch's answers and store them (upsert by custom_id); mark the batch collected."""
+    store = Store(state_path)
+    parsed = parse_results(pl.read_parquet(joined["results"]), schema)
+    counts = store_parsed(store, parsed, batch_id=batch_id, run_id=run_id)
+    store.update_batch(batch_id, collected=True)
+    return counts

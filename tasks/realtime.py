@@ -15,7 +15,7 @@ from prefect import task
 
 from lowtide.backends.base import BatchStatus
 from lowtide.store.state import Store
-from tasks.parse import parse_results
+from tasks.parse import parse_results, store_parsed
 
 
 def realtime_client(backend_name: str, emulator_url: str | None):
@@ -67,27 +67,11 @@ def realtime_task(
     returned = run_realtime(
         lines["line"].to_list(), provider=provider, client=client, concurrency=concurrency
     )
-    parsed = parse_results(returned, schema)
-    store.upsert_results(
-        parsed.select(
-            "custom_id",
-            pl.lit(batch_id).alias("batch_id"),
-            pl.lit(run_id).alias("run_id"),
-            "outcome",
-            "output",
-            "raw_text",
-            "finish_reason",
-            "error",
-            "input_tokens",
-            "cached_tokens",
-            "output_tokens",
-            pl.lit(1).alias("attempts"),
-            pl.lit("realtime").alias("channel"),
-        )
+    counts = store_parsed(
+        store, parse_results(returned, schema), batch_id=batch_id, run_id=run_id, channel="realtime"
     )
     store.update_batch(batch_id, status=BatchStatus.COMPLETED.value, collected=True)
-    counts = parsed["outcome"].value_counts()
-    return dict(zip(counts["outcome"].to_list(), counts["count"].to_list(), strict=True))
+    return counts
 
 
 def deadline_passed(started_at, deadline_hours: float | None) -> bool:

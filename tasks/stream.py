@@ -18,7 +18,7 @@ from lowtide.backends.base import BatchStatus
 from lowtide.crashpoints import crash_point
 from lowtide.jobspec import JobSpec
 from lowtide.store.state import ANSWERED, Store
-from tasks.parse import parse_results
+from tasks.parse import parse_results, store_parsed
 
 
 def _pool_config(job: JobSpec):  # noqa: ANN202 - PoolConfig, imported lazily
@@ -46,23 +46,12 @@ def stream_task(job: JobSpec, batch_id: str, run_id: str, state_path: str) -> di
     stored = [done.len()]
 
     def checkpoint(frame: pl.DataFrame) -> None:
-        parsed = parse_results(frame, job.output_schema)
-        store.upsert_results(
-            parsed.select(
-                "custom_id",
-                pl.lit(batch_id).alias("batch_id"),
-                pl.lit(run_id).alias("run_id"),
-                "outcome",
-                "output",
-                "raw_text",
-                "finish_reason",
-                "error",
-                "input_tokens",
-                "cached_tokens",
-                "output_tokens",
-                pl.lit(1).alias("attempts"),
-                pl.lit("pool").alias("channel"),
-            )
+        store_parsed(
+            store,
+            parse_results(frame, job.output_schema),
+            batch_id=batch_id,
+            run_id=run_id,
+            channel="pool",
         )
         stored[0] += frame.height
         progress.report("batches", stored[0], total, "answers stored")

@@ -298,6 +298,16 @@ class Store:
                 """
             )
 
+    def attempt_counts(self, custom_ids: pl.Series) -> pl.DataFrame:
+        """(custom_id, attempts): how many batches (of any channel) each request was sent in."""
+        with self.connect() as con:
+            con.register("wanted", pl.DataFrame({"custom_id": custom_ids}))
+            return frame(
+                con,
+                "SELECT br.custom_id, count(*)::INTEGER AS attempts FROM batch_requests br "
+                "JOIN wanted USING (custom_id) GROUP BY 1",
+            )
+
     def results_for(self, custom_ids: pl.Series) -> pl.DataFrame:
         with self.connect() as con:
             con.register("wanted", pl.DataFrame({"custom_id": custom_ids}))
