@@ -14,8 +14,8 @@ from pathlib import Path
 
 import polars as pl
 
-from lowtide.store.publish import source_table
-from lowtide.store.state import Store
+from lowtide.store.publish import json_path, source_table
+from lowtide.store.state import Store, _ident
 
 VERDICTS = ("correct", "incorrect")
 
@@ -43,12 +43,26 @@ def export_sample(store: Store, run_id: str, out: Path) -> int:
     if view is None:
         raise LookupError(f"job {run['job']!r} is not in the state file")
     fields = list(view["schema"].get("properties", {}))
-    extracted = ", ".join(f"json_extract_string(q.output, '$.{f}') AS \"{f}\"" for f in fields)
+    src = source_table(view["view"])
+    taken = set(store.query(f"SELECT * FROM {_ident(src)} LIMIT 0").columns) | {
+        "run_id",
+        "unit_id",
+        "verdict",
+        "correct_value",
+        view["id_column"],
+    }
+    # an output field named like a source column is exported as output_<field>
+    extracted = ", ".join(
+        f"json_extract_string(q.output, {json_path(f)}) AS "
+        + _ident(f if f not in taken else f"output_{f}")
+        for f in fields
+    )
     sample = store.query(
         f"""
-        SELECT q.run_id, q.unit_id, q.source_id AS "{view["id_column"]}", s.* EXCLUDE (run_id, source_id),
+        SELECT q.run_id, q.unit_id, q.source_id AS {_ident(view["id_column"])},
+               s.* EXCLUDE (run_id, source_id),
                {extracted}, '' AS verdict, '' AS correct_value
-        FROM qa_samples q JOIN "{source_table(view["view"])}" s
+        FROM qa_samples q JOIN {_ident(src)} s
           ON s.run_id = q.run_id AND s.source_id = q.source_id
         WHERE q.run_id = ? ORDER BY q.unit_id
         """,

@@ -31,7 +31,8 @@ def read_table(path: str, database: str | None = None) -> pl.DataFrame:
         except duckdb.Error as e:
             raise InputError(f"{database}: cannot open DuckDB file: {e}") from e
         try:
-            return con.sql(f'SELECT * FROM "{table}"').pl()
+            quoted = '"' + table.replace('"', '""') + '"'
+            return pl.from_arrow(con.sql(f"SELECT * FROM {quoted}").to_arrow_table())
         except duckdb.CatalogException as e:
             raise InputError(f"{database}: no table {table!r}") from e
         finally:

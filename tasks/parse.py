@@ -113,6 +113,7 @@ def store_parsed(
         "output_tokens",
         pl.col("attempts").fill_null(1),
         pl.lit(channel).alias("channel"),
+        pl.lit(None, pl.Float64).alias("cost_usd"),  # priced by reconcile, never left stale
     )
     store.upsert_results(rows)
     counts = parsed["outcome"].value_counts()

@@ -377,7 +377,10 @@ class AnthropicBatchBackend:
         requests = batch_requests(lines, self.structured_output)
         batch = self._call(
             "create",
-            lambda: self.client.messages.batches.create(requests=requests),  # type: ignore[arg-type]
+            # no SDK retry: a timed-out create may have been accepted (see submit_batch/find)
+            lambda: self.client.with_options(max_retries=0).messages.batches.create(  # type: ignore[arg-type]
+                requests=requests
+            ),
         )
         return batch.id
 

@@ -194,7 +194,10 @@ class OpenAIBatchBackend:
             )
         batch = self._call(
             "create",
-            lambda: self.client.batches.create(
+            # no SDK retry here: a create that timed out may have been accepted, and a blind
+            # re-POST would start (and bill) a second batch; Prefect's task retry goes through
+            # find() first
+            lambda: self.client.with_options(max_retries=0).batches.create(
                 input_file_id=input_file_id,
                 endpoint="/v1/chat/completions",
                 completion_window="24h",

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from lowtide.settings import Settings
 from lowtide.store.publish import job_rows_sql, source_table
-from lowtide.store.state import Store, frame
+from lowtide.store.state import Store, frame, sql_string
 
 _COPY_FORMAT = {
     "parquet": "(FORMAT parquet)",
@@ -28,7 +28,6 @@ def export_run(settings: Settings, run_id: str, target: Path, fmt: str) -> int:
         view["job"], source_table(view["view"]), view["id_column"], view["schema"], run_id=run_id
     )
     target.parent.mkdir(parents=True, exist_ok=True)
-    path = str(target).replace("'", "''")
     with store.connect() as con:
-        con.execute(f"COPY ({sql}) TO '{path}' {_COPY_FORMAT[fmt]}")
+        con.execute(f"COPY ({sql}) TO {sql_string(str(target))} {_COPY_FORMAT[fmt]}")
         return int(frame(con, f"SELECT count(*) AS n FROM ({sql})")["n"][0])

@@ -14,7 +14,7 @@ from typing import Any
 
 import duckdb
 
-from lowtide.store.state import ANSWERED, Store, _ident
+from lowtide.store.state import ANSWERED, Store, _ident, sql_string
 
 PIPELINE_TABLES = (
     "schema_version",
@@ -41,6 +41,12 @@ def _field_type(spec: dict[str, Any]) -> str:
     return _SQL_TYPES.get(kind, "JSON")
 
 
+def json_path(field: str) -> str:
+    """A quoted SQL literal for the JSON path of a top-level field (any characters in the name)."""
+    inner = '$."' + field.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return "'" + inner.replace("'", "''") + "'"
+
+
 def job_rows_sql(
     job: str, src_table: str, id_column: str, schema: dict[str, Any], run_id: str | None = None
 ) -> str:
@@ -49,12 +55,12 @@ def job_rows_sql(
     fields = []
     for name, spec in schema.get("properties", {}).items():
         sql_type = _field_type(spec if isinstance(spec, dict) else {})
-        path = "$." + name
+        path = json_path(name)
         if sql_type == "JSON":
-            fields.append(f"json_extract(r.output, '{path}') AS {_ident(name)}")
+            fields.append(f"json_extract(r.output, {path}) AS {_ident(name)}")
         else:
             fields.append(
-                f"TRY_CAST(json_extract_string(r.output, '{path}') AS {sql_type}) AS {_ident(name)}"
+                f"TRY_CAST(json_extract_string(r.output, {path}) AS {sql_type}) AS {_ident(name)}"
             )
     outputs = ",\n       ".join(fields)
     if run_id is None:
@@ -122,7 +128,7 @@ def publish(store: Store, db_path: str | Path, jobs: list[dict[str, Any]]) -> Pa
     db_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = db_path.with_name(f".{db_path.name}.{uuid.uuid4().hex[:8]}.tmp")
     with store.connect() as con:
-        con.execute(f"ATTACH '{tmp}' AS pub")
+        con.execute("ATTACH " + sql_string(str(tmp)) + " AS pub")
         try:
             present = {
                 r[0]

@@ -51,6 +51,11 @@ def frame(
     return result
 
 
+def sql_string(value: str) -> str:
+    """A single-quoted SQL string literal."""
+    return "'" + value.replace("'", "''") + "'"
+
+
 def _ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
