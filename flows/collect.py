@@ -37,17 +37,27 @@ def collect(
         "'cancelling') AND run_id IN (SELECT run_id FROM batches) ORDER BY started_at"
     )
     touched = []
+    problems: list[str] = []
     for run in runs.iter_rows(named=True):
-        job = load_job(run["job_file"], run["backend"])
-        with emulator_for(run["backend"], emulator_url) as emu_url:
-            ctx = RunContext(
-                settings, store, run["backend"], emu_url, price_for(job, run["backend"])
-            )
-            finished = drive_run(job, ctx, run["run_id"], wait=False)
-            if finished:
-                finish_run(job, ctx, run["run_id"])
-        result = summary(store, run["run_id"], settings)
-        if finished:
-            artifacts.publish_run_report(result)
-        touched.append(result)
+        try:
+            touched.append(_collect_one(run, settings, store, emulator_url))
+        except Exception as e:  # noqa: BLE001 - recorded on the run, re-raised after the others
+            store.update_run(run["run_id"], error=f"collect: {e}"[:2000])
+            problems.append(f"{run['run_id']}: {e}")
+    if problems:
+        # the other runs were collected; the flow run still fails so the schedule shows it
+        raise RuntimeError("collect failed for " + "; ".join(problems))
     return touched
+
+
+def _collect_one(run: dict, settings: Settings, store: Store, emulator_url: str | None) -> dict:
+    job = load_job(run["job_file"], run["backend"])
+    with emulator_for(run["backend"], emulator_url) as emu_url:
+        ctx = RunContext(settings, store, run["backend"], emu_url, price_for(job, run["backend"]))
+        finished = drive_run(job, ctx, run["run_id"], wait=False)
+        if finished:
+            finish_run(job, ctx, run["run_id"])
+    result = summary(store, run["run_id"], settings)
+    if finished:
+        artifacts.publish_run_report(result)
+    return result

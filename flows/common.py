@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import orjson
 import polars as pl
 
 from lowtide import progress
 from lowtide.backends import make_backend
+from lowtide.backends.base import BatchStatus, TerminalBackendError
 from lowtide.jobspec import JobSpec
 from lowtide.pricing import Price, load_price
 from lowtide.settings import Settings
@@ -28,7 +30,7 @@ from tasks.load import load_eval_set
 from tasks.parse import parse_task
 from tasks.poll import poll_task
 from tasks.qa import qa_task
-from tasks.realtime import deadline_passed, realtime_task
+from tasks.realtime import deadline_passed, plan_realtime, realtime_task
 from tasks.reconcile import reconcile_task
 from tasks.retry import plan_retries_task, reask_line
 from tasks.stream import stream_task
@@ -79,8 +81,10 @@ def emulator_for(backend: str, url: str | None) -> Iterator[str | None]:
 
 
 def submit_pending(job: JobSpec, ctx: RunContext, run_id: str) -> int:
-    """Send every batch of the run that has no provider id yet; returns how many. On the vllm
-    backend each pending shard is streamed through the pool to the end instead."""
+    """Send every batch of the run that has not been sent yet; returns how many. Realtime
+    batches are answered here and now; on the vllm backend each pending shard is streamed
+    through the pool to the end instead."""
+    _send_realtime_pending(job, ctx, run_id)
     if ctx.backend_name == "vllm":
         return _stream_pending(job, ctx, run_id)
     pending = ctx.store.query(
@@ -90,15 +94,50 @@ def submit_pending(job: JobSpec, ctx: RunContext, run_id: str) -> int:
     )["batch_id"].to_list()
     for i, batch_id in enumerate(pending):
         progress.report("submit", i, len(pending))
-        submit_task(batch_id, ctx.state_path, ctx.backend_name, ctx.emulator_url)
+        try:
+            submit_task(batch_id, ctx.state_path, ctx.backend_name, ctx.emulator_url)
+        except TerminalBackendError as e:
+            # the provider refused this batch for good: its requests end failed with the reason
+            ctx.store.update_batch(
+                batch_id,
+                status=BatchStatus.FAILED.value,
+                errors=orjson.dumps([{"code": "rejected", "message": str(e)}]).decode(),
+            )
     if pending:
-        sent = ctx.store.scalar(
-            "SELECT count(DISTINCT custom_id) FROM batch_requests br JOIN batches b USING (batch_id) "
-            "WHERE b.run_id = ?",
-            [run_id],
-        )
-        ctx.store.update_run(run_id, requests_sent=int(sent), status="submitted")
+        _count_sent(ctx, run_id)
     return len(pending)
+
+
+def _count_sent(ctx: RunContext, run_id: str) -> None:
+    sent = ctx.store.scalar(
+        "SELECT count(DISTINCT custom_id) FROM batch_requests br JOIN batches b USING (batch_id) "
+        "WHERE b.run_id = ?",
+        [run_id],
+    )
+    run = ctx.store.get_run(run_id) or {}
+    status = {} if run.get("status") == "cancelling" else {"status": "submitted"}
+    ctx.store.update_run(run_id, requests_sent=int(sent or 0), **status)
+
+
+def _send_realtime_pending(job: JobSpec, ctx: RunContext, run_id: str) -> None:
+    pending = ctx.store.query(
+        "SELECT batch_id FROM batches WHERE run_id = ? AND backend = 'realtime' "
+        "AND status = 'pending' ORDER BY created_at",
+        [run_id],
+    )["batch_id"].to_list()
+    for batch_id in pending:
+        realtime_task(
+            batch_id,
+            run_id,
+            ctx.state_path,
+            ctx.backend_name,
+            ctx.emulator_url,
+            job.output_schema,
+            job.retry.realtime_concurrency,
+        )
+    if pending:
+        ctx.store.fold_reasks()
+        _count_sent(ctx, run_id)
 
 
 def _stream_pending(job: JobSpec, ctx: RunContext, run_id: str) -> int:
@@ -134,14 +173,17 @@ def collect_ended(job: JobSpec, ctx: RunContext, run_id: str) -> int:
 
 
 def schedule_retries(job: JobSpec, ctx: RunContext, run_id: str) -> bool:
-    """Plan and start the next round for unanswered requests; True if anything was started."""
+    """Plan and start the next round for unanswered requests; True if anything was started.
+    A run being cancelled gets no further round."""
     run = ctx.store.get_run(run_id) or {}
+    if run.get("status") == "cancelling":
+        return False
     plan = plan_retries_task(
         run_id,
         ctx.state_path,
         job.retry,
         deadline_passed(run.get("started_at"), job.retry.deadline_hours),
-        run.get("status") == "cancelling",
+        False,
     )
     started = False
     if plan["resubmit"]:
@@ -163,33 +205,14 @@ def schedule_retries(job: JobSpec, ctx: RunContext, run_id: str) -> bool:
             pl.col("est_input_tokens"),
             pl.col("custom_id").alias("reask_of"),
         )
-        if job.retry.reask_via == "realtime":
+        if job.retry.reask_via == "realtime" and ctx.backend_name != "vllm":
             _write_requests(job, ctx, run_id, reasks)
-            realtime_task(
-                run_id,
-                reasks["custom_id"].to_list(),
-                "reask",
-                ctx.state_path,
-                ctx.backend_name,
-                ctx.emulator_url,
-                job.output_schema,
-                job.retry.realtime_concurrency,
-            )
-            ctx.store.fold_reasks()
+            plan_realtime(ctx.store, run_id, reasks["custom_id"].to_list(), "reask")
         else:
             _new_batches(job, ctx, run_id, reasks)
         started = True
     if plan["realtime"] and ctx.backend_name != "vllm":  # the pool is already "realtime"
-        realtime_task(
-            run_id,
-            plan["realtime"],
-            "fallback",
-            ctx.state_path,
-            ctx.backend_name,
-            ctx.emulator_url,
-            job.output_schema,
-            job.retry.realtime_concurrency,
-        )
+        plan_realtime(ctx.store, run_id, plan["realtime"], "fallback")
         started = True
     return started
 
@@ -260,9 +283,10 @@ def drive_run(job: JobSpec, ctx: RunContext, run_id: str, wait: bool) -> bool:
         if not ended:
             return False
         if schedule_retries(job, ctx, run_id):
-            if not wait and ctx.store.open_batches(run_id).height:
+            if not wait:
                 submit_pending(job, ctx, run_id)
-                return False
+                if ctx.store.open_batches(run_id).height:
+                    return False
             continue
         return True
 
@@ -294,6 +318,7 @@ def finish_run(job: JobSpec, ctx: RunContext, run_id: str) -> None:
     store.update_run(
         run_id,
         status=status,
+        published_at=now() if status == "completed" else None,
         requests_sent=int(sent or 0),
         gate_note="; ".join(qa["hold"]) or None,
         finished_at=now(),
@@ -306,9 +331,8 @@ def finish_run(job: JobSpec, ctx: RunContext, run_id: str) -> None:
         + cost.get("cache_savings_usd", 0.0),
     )
     progress.report("publish")
-    publish_task(
-        run_id, ctx.state_path, str(ctx.settings.db), store.job_views(), mark=status != "held"
-    )
+    # a held or cancelled run is in the tables, but the job view keeps the last published run
+    publish_task(run_id, ctx.state_path, str(ctx.settings.db), store.job_views(), mark=False)
 
 
 def summary(store: Store, run_id: str, settings: Settings) -> dict[str, Any]:

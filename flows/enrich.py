@@ -38,7 +38,6 @@ from tasks.assemble import assemble_task
 from tasks.chunk import chunk_task
 from tasks.dedupe import dedupe_task
 from tasks.load import load_task
-from tasks.realtime import realtime_task
 
 
 def _run_name() -> str:
@@ -139,6 +138,15 @@ def _prepare(job: JobSpec, ctx: RunContext, run_id: str) -> None:
     chunked = chunk_task(job, loaded, work_dir)
     progress.report("dedupe")
     deduped = dedupe_task(job, chunked, work_dir, ctx.state_path, run_id)
+    # the counts are written before the manifest, so a crash after it leaves a countable run
+    ctx.store.update_run(
+        run_id,
+        rows=loaded["rows"],
+        units=deduped["row_units"],
+        unique_requests=deduped["unique_requests"],
+        cache_hits=deduped["cache_hits"],
+        requests_sent=0,
+    )
     caps = make_backend(ctx.backend_name, emulator_url=ctx.emulator_url).capabilities
     max_requests = min(caps.max_requests, ctx.settings.shard_max_requests or caps.max_requests)
     plan = assemble_task(
@@ -151,24 +159,4 @@ def _prepare(job: JobSpec, ctx: RunContext, run_id: str) -> None:
         caps.max_bytes,
         ctx.price.per_mtok(),
     )
-    if plan["urgent"]:
-        # peak shaving: rows marked urgent are answered now, through the realtime path
-        realtime_task(
-            run_id,
-            plan["urgent"],
-            "priority",
-            ctx.state_path,
-            ctx.backend_name,
-            ctx.emulator_url,
-            job.output_schema,
-            job.retry.realtime_concurrency,
-        )
-    ctx.store.update_run(
-        run_id,
-        rows=loaded["rows"],
-        units=deduped["row_units"],
-        unique_requests=deduped["unique_requests"],
-        cache_hits=deduped["cache_hits"],
-        requests_sent=0,
-        estimate_usd=plan["estimate_usd"],
-    )
+    ctx.store.update_run(run_id, estimate_usd=plan["estimate_usd"])

@@ -242,6 +242,8 @@ def cancel(
     run_id: Annotated[str, typer.Argument(help="The run whose in-flight batches to cancel.")],
 ) -> None:
     """Cancel a run's in-flight batches; `lowtide collect` then records what finished."""
+    import orjson
+
     from lowtide.backends import make_backend
     from lowtide.backends.base import BackendError
     from lowtide.settings import Settings
@@ -252,6 +254,18 @@ def cancel(
     run = store.get_run(run_id)
     if run is None:
         raise _fail(f"no run {run_id!r} in {settings.state}")
+    if run["status"] not in ("running", "submitted", "cancelling"):
+        raise _fail(f"run {run_id} is {run['status']}; only a run in flight can be cancelled")
+    # marked first, so nothing starts another round while the cancel calls go out
+    store.update_run(run_id, status="cancelling")
+    unsent = store.query(
+        "SELECT batch_id FROM batches WHERE run_id = ? AND provider_batch_id IS NULL "
+        "AND status IN ('pending', 'uploaded')",
+        [run_id],
+    )
+    reason = orjson.dumps([{"code": "cancelled", "message": "cancelled before it was sent"}])
+    for b in unsent["batch_id"]:
+        store.update_batch(b, status="cancelled", errors=reason.decode())
     live = store.query(
         "SELECT batch_id, provider_batch_id FROM batches WHERE run_id = ? AND provider_batch_id "
         "IS NOT NULL AND status NOT IN ('completed', 'failed', 'expired', 'cancelled')",
@@ -262,11 +276,10 @@ def cancel(
         for b in live.iter_rows(named=True):
             backend.cancel(b["provider_batch_id"])
     except BackendError as e:
-        raise _fail(str(e)) from e
-    store.update_run(run_id, status="cancelling")
+        raise _fail(f"{e} (the run is marked cancelling; run `lowtide cancel` again)") from e
     console.print(
-        f"run {run_id}: cancel sent for {live.height} batch(es); finished work is kept. "
-        "Run `lowtide collect` to record the outcome."
+        f"run {run_id}: cancel sent for {live.height} batch(es), {unsent.height} not yet sent "
+        "dropped; finished work is kept. Run `lowtide collect` to record the outcome."
     )
 
 

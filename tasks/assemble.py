@@ -258,6 +258,15 @@ def assemble_task(
             f"job {job.name!r}: estimated cost ${estimate:.2f} for {requests.height} requests "
             f"exceeds the budget ${job.cost.budget_usd:.2f} ([cost] budget_usd); nothing was sent"
         )
+    if urgent:
+        # the urgent requests' realtime batch is part of the same write-ahead manifest
+        from tasks.realtime import realtime_batch_rows
+
+        rt_batch, rt_members = realtime_batch_rows(
+            f"{run_id}-rt-priority", pl.Series("custom_id", urgent, dtype=pl.String), 0
+        )
+        batches = pl.concat([batches, rt_batch], how="diagonal_relaxed")
+        members = pl.concat([members, rt_members])
     store.save_template(template_id(job), *line_template(job))
     store.write_manifest(run_id, reqs, batches, members)
     return {

@@ -38,11 +38,16 @@ def join_results(
 
 
 def _missing_reason(batch: dict) -> str:
-    if batch["status"] == BatchStatus.FAILED.value and batch["errors"]:
+    if batch["errors"]:
         errors = orjson.loads(batch["errors"])
         shown = "; ".join(
-            f"line {e.get('line')}: {e.get('code')}: {e.get('message')}" for e in errors[:3]
+            (f"line {e['line']}: " if e.get("line") is not None else "")
+            + (f"{e['code']}: " if e.get("code") else "")
+            + str(e.get("message"))
+            for e in errors[:3]
         )
+        if batch["backend"] == "realtime" or batch["status"] == BatchStatus.CANCELLED.value:
+            return shown
         return f"batch failed validation at the provider: {shown}"
     return f"no result returned by the provider for batch {batch['provider_batch_id']}"
 

@@ -18,6 +18,8 @@ from lowtide.crashpoints import crash_point
 from lowtide.store.state import Store
 from tasks.submit import _transient
 
+INTERRUPTED = "realtime calls were interrupted before their answers were stored"
+
 
 def poll_once(store: Store, backend: Backend, run_id: str) -> tuple[int, int]:
     """Refresh every live batch of the run once; returns (terminal, total) batch counts."""
@@ -30,6 +32,17 @@ def poll_once(store: Store, backend: Backend, run_id: str) -> tuple[int, int]:
         if BatchStatus(b["status"]).terminal:
             terminal += 1
             done_requests += b["n_requests"]
+            continue
+        if b["backend"] == "realtime":
+            # realtime calls run inside a task, never across a poll: one found in progress was
+            # interrupted (its answers are lost), one still pending is sent by submit_pending
+            if b["status"] == BatchStatus.IN_PROGRESS.value:
+                store.update_batch(
+                    b["batch_id"],
+                    status=BatchStatus.FAILED.value,
+                    errors=orjson.dumps([{"code": "interrupted", "message": INTERRUPTED}]).decode(),
+                )
+                terminal += 1
             continue
         if not b["provider_batch_id"]:
             continue

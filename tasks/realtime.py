@@ -31,39 +31,68 @@ def realtime_client(backend_name: str, emulator_url: str | None):
     raise ValueError(f"backend {backend_name!r} has no realtime path")
 
 
-@task(name="realtime", task_run_name="realtime-{run_id}-{reason}")
+def realtime_batch_rows(
+    batch_id: str, custom_ids: pl.Series, n_bytes: int
+) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(batches, members) frames for a realtime batch, for a write-ahead manifest."""
+    batches = pl.DataFrame(
+        {
+            "batch_id": [batch_id],
+            "shard": [-1],
+            "attempt": [0],
+            "backend": ["realtime"],
+            "n_requests": [custom_ids.len()],
+            "n_bytes": [n_bytes],
+        },
+        schema_overrides={
+            "shard": pl.Int32,
+            "attempt": pl.Int32,
+            "n_requests": pl.Int32,
+            "n_bytes": pl.Int64,
+        },
+    )
+    return batches, pl.DataFrame({"batch_id": batch_id, "custom_id": custom_ids})
+
+
+def plan_realtime(store: Store, run_id: str, custom_ids: list[str], reason: str) -> str:
+    """Commit a `pending` realtime batch for these stored requests; returns its batch_id."""
+    batch_id = f"{run_id}-rt-{reason}-{secrets.token_hex(3)}"
+    ids = pl.Series("custom_id", custom_ids, dtype=pl.String)
+    batches, members = realtime_batch_rows(batch_id, ids, 0)
+    empty = pl.DataFrame(
+        schema={
+            "custom_id": pl.String,
+            "request_key": pl.String,
+            "job": pl.String,
+            "model": pl.String,
+            "est_input_tokens": pl.Int64,
+        }
+    )
+    store.write_manifest(run_id, empty, batches, members)
+    return batch_id
+
+
+@task(name="realtime", task_run_name="realtime-{batch_id}")
 def realtime_task(
+    batch_id: str,
     run_id: str,
-    custom_ids: list[str],
-    reason: str,
     state_path: str,
     backend_name: str,
     emulator_url: str | None,
     schema: dict,
     concurrency: int,
 ) -> dict:
+    """Send a pending realtime batch's requests as synchronous calls and store the answers.
+
+    The batch is marked in_progress before the first call: if the process dies during the calls,
+    the next poll marks it failed (its answers, paid or not, are lost) rather than sending again.
+    """
     from lowtide.backends.realtime import run_realtime
 
     store = Store(state_path)
-    lines = store.request_lines(custom_ids)
-    batch_id = f"{run_id}-rt-{reason}-{secrets.token_hex(3)}"
-    store.write_manifest(
-        run_id,
-        lines.head(0).with_columns(pl.lit("").alias("job"), pl.lit("").alias("model")),
-        pl.DataFrame(
-            {
-                "batch_id": [batch_id],
-                "shard": [-1],
-                "attempt": [0],
-                "backend": ["realtime"],
-                "n_requests": [lines.height],
-                "n_bytes": [int(lines["line"].str.len_bytes().sum())],
-            }
-        ),
-        lines.select(pl.lit(batch_id).alias("batch_id"), "custom_id"),
-    )
-    store.update_batch(batch_id, status=BatchStatus.IN_PROGRESS.value)
     provider, client = realtime_client(backend_name, emulator_url)
+    lines = store.request_lines(store.batch_members(batch_id)["custom_id"].to_list())
+    store.update_batch(batch_id, status=BatchStatus.IN_PROGRESS.value)
     returned = run_realtime(
         lines["line"].to_list(), provider=provider, client=client, concurrency=concurrency
     )

@@ -179,8 +179,6 @@ def test_no_wait_then_collect_gives_the_same_tables_as_waiting(tmp_path: Path, m
 
 
 def test_cancel_keeps_finished_work_and_fails_the_rest_with_a_reason(tmp_path: Path) -> None:
-    from lowtide.backends import make_backend
-
     job = write_job(tmp_path, rows=30, eval_rows=5)
     config = EmulatorConfig(
         time_scale=0.0,
@@ -199,11 +197,18 @@ def test_cancel_keeps_finished_work_and_fails_the_rest_with_a_reason(tmp_path: P
                 f"{emu.base_url}/_emulator/clock/advance?seconds=15", method="POST"
             )
         )
+        from typer.testing import CliRunner
+
+        from lowtide.cli import app
+
         store = _store()
-        backend = make_backend("emulator", emulator_url=emu.base_url)
-        for pid in store.run_batches(s["run_id"])["provider_batch_id"]:
-            backend.cancel(pid)
-        store.update_run(s["run_id"], status="cancelling")
+        os.environ["LOWTIDE_EMULATOR_URL"] = emu.base_url
+        try:
+            result = CliRunner().invoke(app, ["cancel", s["run_id"]])
+        finally:
+            del os.environ["LOWTIDE_EMULATOR_URL"]
+        assert result.exit_code == 0, result.output
+        assert store.get_run(s["run_id"])["status"] == "cancelling"
         urllib.request.urlopen(
             urllib.request.Request(
                 f"{emu.base_url}/_emulator/clock/advance?seconds=5", method="POST"
