@@ -15,6 +15,7 @@ from prefect import flow
 from flows.common import RunContext, drive_run, emulator_for, finish_run, price_for, summary
 from lowtide import artifacts
 from lowtide.jobspec import load_job
+from lowtide.lease import LEASE_S, process_owner
 from lowtide.settings import Settings
 from lowtide.store.state import Store
 
@@ -38,12 +39,17 @@ def collect(
     )
     touched = []
     problems: list[str] = []
+    owner = process_owner()
     for run in runs.iter_rows(named=True):
+        if store.claim_run(run["run_id"], owner, LEASE_S) is not None:
+            continue  # a live enrich (or another collect) is driving it
         try:
             touched.append(_collect_one(run, settings, store, emulator_url))
         except Exception as e:  # noqa: BLE001 - recorded on the run, re-raised after the others
             store.update_run(run["run_id"], error=f"collect: {e}"[:2000])
             problems.append(f"{run['run_id']}: {e}")
+        finally:
+            store.release_run(run["run_id"], owner)
     if problems:
         # the other runs were collected; the flow run still fails so the schedule shows it
         raise RuntimeError("collect failed for " + "; ".join(problems))

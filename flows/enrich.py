@@ -31,13 +31,14 @@ from lowtide import artifacts, progress
 from lowtide.backends import make_backend
 from lowtide.crashpoints import crash_point
 from lowtide.jobspec import JobSpec, load_job
+from lowtide.lease import LEASE_S, RunBusyError, process_owner
 from lowtide.settings import Settings
 from lowtide.store.publish import source_table
 from lowtide.store.state import Store
 from tasks.assemble import assemble_task
 from tasks.chunk import chunk_task
 from tasks.dedupe import dedupe_task
-from tasks.load import load_task
+from tasks.load import input_fingerprint, load_task
 
 
 def _run_name() -> str:
@@ -62,6 +63,13 @@ def enrich(
     store = Store(settings.state, settings.lock_timeout_s)
     price = price_for(job, job.model.backend)
     run_id = _open_run(job, store)
+    owner = process_owner()
+    holder = store.claim_run(run_id, owner, LEASE_S)
+    if holder is not None:
+        raise RunBusyError(
+            f"run {run_id} is being driven by another lowtide process ({holder}), e.g. a "
+            "scheduled collect; it will finish the run. `lowtide status` shows its progress."
+        )
     progress_id = artifacts.start_progress(job.name)
 
     def batches_progress(stage: str, done: int, total: int, note: str) -> None:
@@ -95,12 +103,14 @@ def enrich(
         return result
     finally:
         progress.remove_listener(batches_progress)
+        store.release_run(run_id, owner)
 
 
 def _open_run(job: JobSpec, store: Store) -> str:
     """The unfinished run of this job content to resume, or a new run."""
     fingerprint = job.prompt_fingerprint()
-    run_id = store.resumable_run(job.name, fingerprint)
+    inputs = input_fingerprint(job)
+    run_id = store.resumable_run(job.name, fingerprint, inputs)
     if run_id is not None:
         return run_id
     run_id = f"{job.name}-{datetime.now(UTC):%Y%m%dT%H%M%S}-{secrets.token_hex(2)}"
@@ -120,6 +130,7 @@ def _open_run(job: JobSpec, store: Store) -> str:
         model=job.model.name,
         status="running",
         started_at=now(),
+        input_fingerprint=inputs,
     )
     return run_id
 

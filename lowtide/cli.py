@@ -45,6 +45,7 @@ def _with_progress(call):  # noqa: ANN001, ANN202 - any flow call
     from lowtide import progress as progress_channel
     from lowtide.backends.base import BackendError
     from lowtide.jobspec import JobFileError
+    from lowtide.lease import RunBusyError
     from lowtide.pricing import PriceError
     from lowtide.store.state import StateLockedError
     from tasks.assemble import BudgetExceededError
@@ -76,6 +77,7 @@ def _with_progress(call):  # noqa: ANN001, ANN202 - any flow call
             BudgetExceededError,
             StateLockedError,
             BackendError,
+            RunBusyError,
         ) as e:
             raise _fail(str(e)) from e
         finally:

@@ -15,6 +15,7 @@ from lowtide import progress
 from lowtide.backends import make_backend
 from lowtide.backends.base import Backend, BatchStatus
 from lowtide.crashpoints import crash_point
+from lowtide.lease import LEASE_S, process_owner
 from lowtide.store.state import Store
 from tasks.submit import _transient
 
@@ -96,6 +97,7 @@ def poll_task(
     backend = make_backend(backend_name, emulator_url=emulator_url)
     interval = 0.2
     while True:
+        store.claim_run(run_id, process_owner(), LEASE_S)  # still driving: renew the lease
         terminal, total = poll_once(store, backend, run_id)
         if terminal == total:
             return True

@@ -17,6 +17,7 @@ from lowtide import progress
 from lowtide.backends.base import BatchStatus
 from lowtide.crashpoints import crash_point
 from lowtide.jobspec import JobSpec
+from lowtide.lease import LEASE_S, process_owner
 from lowtide.store.state import ANSWERED, Store
 from tasks.parse import parse_results, store_parsed
 
@@ -54,6 +55,7 @@ def stream_task(job: JobSpec, batch_id: str, run_id: str, state_path: str) -> di
             channel="pool",
         )
         stored[0] += frame.height
+        store.claim_run(run_id, process_owner(), LEASE_S)  # still driving: renew the lease
         progress.report("batches", stored[0], total, "answers stored")
         crash_point("during_stream")
 

@@ -204,6 +204,18 @@ MIGRATIONS.append(
     )
 )
 
+MIGRATIONS.append(
+    (
+        5,
+        "one driver per run (a lease), and the input a run was made from",
+        """
+        ALTER TABLE runs ADD COLUMN input_fingerprint VARCHAR;  -- resume only on the same input
+        ALTER TABLE runs ADD COLUMN lease_owner VARCHAR;        -- host:pid:token driving the run
+        ALTER TABLE runs ADD COLUMN lease_until TIMESTAMP;
+        """,
+    )
+)
+
 LATEST = MIGRATIONS[-1][0]
 
 

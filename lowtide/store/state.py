@@ -154,13 +154,42 @@ class Store:
         df = self.query("SELECT * FROM runs WHERE run_id = ?", [run_id])
         return df.row(0, named=True) if df.height else None
 
-    def resumable_run(self, job: str, fingerprint: str) -> str | None:
-        """The newest unfinished run of this job with the same job content, if any."""
+    def resumable_run(self, job: str, fingerprint: str, input_fingerprint: str) -> str | None:
+        """The newest unfinished run of this job with the same job content and input, if any."""
         return self.scalar(
             "SELECT run_id FROM runs WHERE job = ? AND job_fingerprint = ? "
+            "AND input_fingerprint IS NOT DISTINCT FROM ? "
             "AND status IN ('running', 'submitted') ORDER BY started_at DESC LIMIT 1",
-            [job, fingerprint],
+            [job, fingerprint, input_fingerprint],
         )
+
+    def claim_run(self, run_id: str, owner: str, lease_s: float) -> str | None:
+        """Take (or renew) the lease on a run. Returns None when `owner` now holds it, else the
+        live holder."""
+        from lowtide.lease import owner_gone
+
+        with self.transaction() as con:
+            rows = con.execute(
+                "SELECT lease_owner, lease_until < now()::TIMESTAMP FROM runs WHERE run_id = ?",
+                [run_id],
+            ).fetchall()
+            holder, expired = rows[0] if rows else (None, True)
+            if holder and holder != owner and not expired and not owner_gone(holder):
+                return holder
+            con.execute(
+                "UPDATE runs SET lease_owner = ?, "
+                "lease_until = now()::TIMESTAMP + to_seconds(?::DOUBLE) WHERE run_id = ?",
+                [owner, lease_s, run_id],
+            )
+        return None
+
+    def release_run(self, run_id: str, owner: str) -> None:
+        with self.transaction() as con:
+            con.execute(
+                "UPDATE runs SET lease_owner = NULL, lease_until = NULL "
+                "WHERE run_id = ? AND lease_owner = ?",
+                [run_id, owner],
+            )
 
     def list_runs(self, run_id: str | None = None) -> pl.DataFrame:
         where = "WHERE run_id = ?" if run_id else ""
@@ -204,7 +233,9 @@ class Store:
                 SELECT w.custom_id,
                        coalesce(r.outcome IN {ANSWERED}, false) AS answered,
                        EXISTS (SELECT 1 FROM batch_requests br JOIN batches b USING (batch_id)
+                               JOIN runs ON runs.run_id = b.run_id
                                WHERE br.custom_id = w.custom_id
+                                 AND runs.status IN ('running', 'submitted')
                                  AND (b.status NOT IN {TERMINAL_BATCH} OR NOT b.collected))
                            AS in_flight,
                        (SELECT count(*) FROM batch_requests br WHERE br.custom_id = w.custom_id)

@@ -425,3 +425,24 @@ def test_past_the_deadline_stragglers_skip_further_batches(tmp_path: Path) -> No
         [s["run_id"]],
     )
     assert attempts["a"][0] == 1  # no second batch attempt once the deadline had passed
+
+
+def test_a_changed_input_starts_a_new_run_and_a_driven_run_is_not_taken(tmp_path: Path) -> None:
+    from lowtide.lease import RunBusyError
+
+    job = write_job(tmp_path, rows=10, eval_rows=3)
+    with Emulator(EmulatorConfig(time_scale=0.0, error_rate=0.0)) as emu:
+        first = enrich(job_file=str(job), emulator_url=emu.base_url, wait=False)
+        assert first["status"] == "submitted"
+        store = _store()
+        store.claim_run(first["run_id"], "elsewhere:1:other", 600)  # a live driver elsewhere
+        with pytest.raises(RunBusyError, match="being driven by another lowtide process"):
+            enrich(job_file=str(job), emulator_url=emu.base_url, wait=False)
+        store.release_run(first["run_id"], "elsewhere:1:other")
+        messages = pl.read_csv(tmp_path / "messages.csv")
+        pl.concat(
+            [messages, messages.head(1).with_columns(pl.lit("m_new").alias("message_id"))]
+        ).write_csv(tmp_path / "messages.csv")
+        second = enrich(job_file=str(job), emulator_url=emu.base_url, wait=False)
+        assert second["run_id"] != first["run_id"]  # today's input is not last night's run
+        assert second["rows"] == 11

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -76,3 +77,30 @@ def test_a_held_state_file_is_waited_for_then_named(tmp_path: Path) -> None:
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_one_process_drives_a_run_and_a_dead_holder_frees_it(tmp_path: Path) -> None:
+    from datetime import datetime
+
+    store = Store(tmp_path / "s.duckdb")
+    store.create_run(
+        run_id="r",
+        job="j",
+        job_fingerprint="f",
+        backend="emulator",
+        model="m",
+        status="running",
+        started_at=datetime(2026, 1, 1),
+    )
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
+    import socket
+
+    here = socket.gethostname()
+    assert store.claim_run("r", f"{here}:{os.getpid()}:a", 60) is None
+    assert store.claim_run("r", f"{here}:{os.getpid()}:b", 60) == f"{here}:{os.getpid()}:a"
+    store.release_run("r", f"{here}:{os.getpid()}:a")
+    assert store.claim_run("r", f"{here}:{gone}:dead", 60) is None  # taken by a process...
+    assert store.claim_run("r", f"{here}:{os.getpid()}:b", 60) is None  # ...that is gone: free
+    assert store.claim_run("r", "elsewhere:1:x", 60) == f"{here}:{os.getpid()}:b"
