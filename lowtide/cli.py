@@ -598,7 +598,23 @@ def qa_import(
 
 
 def main() -> None:
-    app()
+    """The console script: known operational errors become one line on stderr, exit code 2."""
+    import duckdb
+
+    from lowtide.lease import RunBusyError
+    from lowtide.store.state import StateLockedError
+
+    try:
+        app()
+    except (StateLockedError, RunBusyError) as e:
+        err_console.print(f"[bold red]error:[/] {e}")
+        raise SystemExit(2) from e
+    except duckdb.Error as e:
+        err_console.print(
+            f"[bold red]error:[/] the state file refused an operation: {e}. If it persists, "
+            "report it with the output of `lowtide status --json`."
+        )
+        raise SystemExit(2) from e
 
 
 if __name__ == "__main__":

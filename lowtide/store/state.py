@@ -207,6 +207,21 @@ class Store:
                 "SELECT ?::VARCHAR AS run_id, * FROM incoming LIMIT 0",
                 [run_id],
             )
+            # an input that gained columns since earlier runs: widen the table (old rows: NULL)
+            have = {
+                r[0]
+                for r in con.execute(
+                    "SELECT column_name FROM duckdb_columns() WHERE table_name = ?", [table]
+                ).fetchall()
+            }
+            types = dict(
+                con.execute("SELECT column_name, data_type FROM (DESCRIBE incoming)").fetchall()
+            )
+            for column in frame.columns:
+                if column not in have:
+                    con.execute(
+                        f"ALTER TABLE {_ident(table)} ADD COLUMN {_ident(column)} {types[column]}"
+                    )
             con.execute(f"DELETE FROM {_ident(table)} WHERE run_id = ?", [run_id])
             con.execute(
                 f"INSERT INTO {_ident(table)} BY NAME SELECT ?::VARCHAR AS run_id, * FROM incoming",

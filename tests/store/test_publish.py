@@ -107,3 +107,13 @@ def test_publishing_swaps_the_file_while_a_reader_holds_the_old_one(tmp_path: Pa
     fresh = duckdb.connect(str(db), read_only=True)
     assert fresh.execute("SELECT label, run_id FROM my_job").fetchall() == [("second", "run2")]
     assert not list(tmp_path.glob(".pub.duckdb.*"))  # no temp file left behind
+
+
+def test_sources_table_widens_when_the_input_gains_a_column(tmp_path: Path) -> None:
+    store = Store(tmp_path / "state.duckdb")
+    store.save_sources("src_x", "r1", pl.DataFrame({"source_id": ["a"], "body": ["hi"]}))
+    store.save_sources(
+        "src_x", "r2", pl.DataFrame({"source_id": ["a"], "body": ["hi"], "lang": ["en"]})
+    )
+    rows = store.query("SELECT run_id, lang FROM src_x ORDER BY run_id").rows()
+    assert rows == [("r1", None), ("r2", "en")]
