@@ -215,7 +215,7 @@ class Store:
                 ).fetchall()
             }
             types = dict(
-                con.execute("SELECT column_name, data_type FROM (DESCRIBE incoming)").fetchall()
+                con.execute("SELECT column_name, column_type FROM (DESCRIBE incoming)").fetchall()
             )
             for column in frame.columns:
                 if column not in have:
