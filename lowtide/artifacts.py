@@ -202,3 +202,12 @@ def publish_run_report(summary: dict[str, Any]) -> None:
         key=_key(job, "report"),
         description="QA sample, eval set, failures, files",
     )
+
+
+def publish_markdown(job: str, name: str, markdown: str, description: str) -> None:
+    """A markdown artifact keyed <job>-<name>, inside a flow run only."""
+    if not _in_flow():
+        return
+    from prefect.artifacts import create_markdown_artifact
+
+    create_markdown_artifact(markdown=markdown, key=_key(job, name), description=description)

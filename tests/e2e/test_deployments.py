@@ -34,6 +34,7 @@ EXPECTED = {
     # deployment: (entrypoint, cron, timezone)
     "enrich/nightly-support-intents": ("flows/enrich.py:enrich", "0 2 * * *", "UTC"),
     "collect/collect-in-flight": ("flows/collect.py:collect", "*/5 * * * *", "UTC"),
+    "qa-report/morning-qa-report": ("flows/report.py:qa_report", "30 6 * * *", "UTC"),
 }
 
 

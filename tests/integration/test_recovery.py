@@ -349,6 +349,11 @@ def test_qa_export_import_round_trip(tmp_path: Path) -> None:
         < metrics["qa_reviewed_accuracy"]
         < metrics["qa_accuracy_ci_high"]
     )
+    from flows.report import qa_report
+
+    (report,) = qa_report()
+    assert f"{n} of {n} sampled rows reviewed: accuracy {right / n:.1%}" in report
+    assert "## Eval set, last runs" in report and s["run_id"] in report
     bad = tmp_path / "bad.csv"
     reviewed.with_columns(pl.lit("maybe").alias("verdict")).write_csv(bad)
     result = CliRunner().invoke(app, ["qa", "import", str(bad)])

@@ -1,0 +1,98 @@
+"""qa-report: a morning report per job for the people who review and sign off.
+
+For each job, the latest finished run: rows, failures by reason and cost; its QA sample and,
+once a reviewer's verdicts were imported, the reviewed accuracy with its 95% interval; and the
+eval scores of the last runs, so a drift shows as a trend. Written as a markdown artifact.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from flows.common import summary
+from lowtide import artifacts
+from lowtide.settings import Settings
+from lowtide.store.state import Store
+
+TREND_RUNS = 7
+
+
+def report_markdown(store: Store, job: str, run: dict[str, Any], s: dict[str, Any]) -> str:
+    m = s.get("metrics") or {}
+    lines = [
+        f"# {job}: QA and eval report",
+        "",
+        f"Latest finished run: `{run['run_id']}` "
+        f"({run['status']}), {s.get('succeeded')} of {s.get('rows')} rows succeeded, "
+        f"cost ${s.get('cost_usd') or 0:.4f}.",
+    ]
+    if run.get("gate_note"):
+        lines += [
+            "",
+            f"**Held by the eval gate:** {run['gate_note']}. "
+            f"`lowtide publish {run['run_id']}` releases it.",
+        ]
+    lines += ["", "## Human review", ""]
+    if "qa_reviewed_accuracy" in m:
+        lines.append(
+            f"{m['qa_reviewed']:.0f} of {s.get('qa_samples')} sampled rows reviewed: accuracy "
+            f"{m['qa_reviewed_accuracy']:.1%} (95% CI {m['qa_accuracy_ci_low']:.1%} to "
+            f"{m['qa_accuracy_ci_high']:.1%})."
+        )
+    else:
+        lines.append(
+            f"{s.get('qa_samples')} rows sampled, not reviewed yet: "
+            f"`lowtide qa export {run['run_id']} --out review.csv`, then `lowtide qa import review.csv`."
+        )
+    trend = store.query(
+        "SELECT r.run_id, r.started_at, e.field, e.accuracy FROM eval_scores e "
+        "JOIN runs r USING (run_id) WHERE e.job = ? AND r.run_id IN (SELECT run_id FROM runs "
+        "WHERE job = ? AND finished_at IS NOT NULL ORDER BY started_at DESC LIMIT ?) "
+        "ORDER BY r.started_at, e.field",
+        [job, job, TREND_RUNS],
+    )
+    if trend.height:
+        fields = sorted(set(trend["field"]))
+        lines += [
+            "",
+            "## Eval set, last runs",
+            "",
+            "| run | " + " | ".join(fields) + " |",
+            "|---|" + "---|" * len(fields),
+        ]
+        for run_id in dict.fromkeys(trend["run_id"]):
+            part = trend.filter(trend["run_id"] == run_id)
+            acc = dict(zip(part["field"], part["accuracy"], strict=True))
+            lines.append(
+                f"| {run_id} | "
+                + " | ".join("" if acc.get(f) is None else f"{acc[f]:.1%}" for f in fields)
+                + " |"
+            )
+    if s.get("failures_by_reason"):
+        lines += ["", "## Failures by reason", "", "| reason | rows |", "|---|---|"]
+        lines += [f"| {k} | {v} |" for k, v in s["failures_by_reason"].items()]
+    return "\n".join(lines)
+
+
+@flow(name="qa-report", flow_run_name="qa-report", log_prints=False)
+def qa_report(state: str | None = None, job: str | None = None) -> list[str]:
+    """Write the report of every job (or one); returns the reports' markdown."""
+    settings = Settings().with_overrides(state=state)
+    if not settings.state.is_file():
+        return []
+    store = Store(settings.state, settings.lock_timeout_s)
+    runs = store.query(
+        "SELECT * FROM runs WHERE finished_at IS NOT NULL AND (? IS NULL OR job = ?) "
+        "QUALIFY row_number() OVER (PARTITION BY job ORDER BY started_at DESC) = 1 ORDER BY job",
+        [job, job],
+    )
+    reports = []
+    for run in runs.iter_rows(named=True):
+        text = report_markdown(store, run["job"], run, summary(store, run["run_id"], settings))
+        artifacts.publish_markdown(
+            run["job"], "qa-report", text, f"{run['job']}: QA and eval report"
+        )
+        reports.append(text)
+    return reports
