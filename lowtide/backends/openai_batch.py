@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import openai
+import orjson
 import polars as pl
 
 from lowtide.backends.base import (
@@ -107,10 +109,53 @@ def translate(exc: openai.OpenAIError, operation: str) -> Exception:
     return TerminalBackendError(f"{operation}: {exc}", backend="openai", operation=operation)
 
 
+# A top-level-looking `"error"` whose value is a string or another `{"error": ...}` object: the
+# two shapes `vllm run-batch` writes (provider-apis.md §3.2). Only a pre-filter: a hit is
+# confirmed by parsing the line, so a false hit costs time, never correctness.
+_RUN_BATCH_ERROR_RE = re.compile(rb'"error"\s*:\s*(?:"|\{\s*"error"\s*:)')
+
+
+def _openai_error(error: Any) -> dict[str, str] | None:
+    """A run-batch `error` in OpenAI's `{code, message}` shape; None when it already is one."""
+    if isinstance(error, str):
+        return {"code": "run_batch_error", "message": error}
+    if isinstance(error, dict) and isinstance(error.get("error"), dict):
+        inner = error["error"]
+        return {
+            "code": str(inner.get("type") or inner.get("code") or "run_batch_error"),
+            "message": str(inner.get("message") or ""),
+        }
+    return None
+
+
+def _normalise_run_batch_errors(content: bytes) -> bytes:
+    """Rewrite the lines whose `error` is a string or vLLM's envelope to OpenAI's shape; every
+    other line (and an ordinary OpenAI file as a whole) is passed through untouched."""
+    if _RUN_BATCH_ERROR_RE.search(content) is None:
+        return content
+    lines = content.splitlines()
+    for i, raw in enumerate(lines):
+        if _RUN_BATCH_ERROR_RE.search(raw) is None:
+            continue
+        line = orjson.loads(raw)
+        if not isinstance(line, dict):
+            continue
+        error = _openai_error(line.get("error"))
+        if error is not None:
+            line["error"] = error
+            lines[i] = orjson.dumps(line)
+    return b"\n".join(lines) + b"\n"
+
+
 def parse_result_lines(content: bytes) -> pl.DataFrame:
-    """Output/error file JSONL → RESULT_SCHEMA frame, columnar (no per-line Python)."""
+    """Output/error file JSONL → RESULT_SCHEMA frame, columnar (no per-line Python).
+
+    Also reads `vllm run-batch` output: lines whose `error` is a string (code
+    `run_batch_error`) or vLLM's `{"error": {message, type, ...}}` envelope (code = its type)
+    are first rewritten to OpenAI's `{code, message}`; files without such lines skip that."""
     if not content.strip():
         return pl.DataFrame(schema=RESULT_SCHEMA)
+    content = _normalise_run_batch_errors(content)
     raw = pl.read_ndjson(io.BytesIO(content), schema=_LINE_SCHEMA)
     resp = pl.col("response")
     body = resp.struct.field("body")

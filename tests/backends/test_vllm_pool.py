@@ -748,12 +748,6 @@ def test_run_batch_output_success_and_object_error_read_by_parse_result_lines():
     assert rows["doc-0002"]["status"] == "provider_error"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="openai_batch.parse_result_lines types `error` as an OpenAI {code, message} object; "
-    "vLLM run-batch writes a string there for some errors (provider-apis.md §3.2) and the "
-    "whole file fails to parse. run_batch_results() normalises the lines first.",
-)
 def test_parse_result_lines_reads_run_batch_string_errors():
     frame = parse_result_lines(RUN_BATCH_OUTPUT)
     assert frame.height == 3
