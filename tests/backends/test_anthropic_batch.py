@@ -562,18 +562,18 @@ def test_results_stream_cut_every_time_is_transient(emu: Emulator, job: JobSpec)
     assert info.value.operation == "download"
 
 
-def test_429_on_create_is_retried_by_the_sdk(emu: Emulator, job: JobSpec) -> None:
-    backend = backend_for(emu)  # the SDK's default: two retries, honouring retry-after
+def test_429_on_create_is_not_retried_blindly(emu: Emulator, job: JobSpec) -> None:
+    """A create is never re-POSTed by the SDK (a timed-out create may have been accepted): the
+    error is transient, so the caller's task retry asks the provider (find) before creating."""
+    backend = backend_for(emu)
     lines = sample_lines(job, 3)
-    set_faults(emu, "429:POST /v1/messages/batches:2")
-    provider_id = backend.create("b1", None, lines)
-    assert backend.poll(provider_id).counts["total"] == 3
-    assert admin(emu, "GET", "/_emulator/faults")["rules"][0]["count"] == 0
-
-    set_faults(emu, "429:POST /v1/messages/batches:3")  # one more than the SDK retries
+    set_faults(emu, "429:POST /v1/messages/batches:1")
     with pytest.raises(TransientBackendError) as info:
-        backend.create("b2", None, lines)
+        backend.create("b1", None, lines)
     assert isinstance(info.value.__cause__, anthropic.RateLimitError)
+    assert admin(emu, "GET", "/_emulator/faults")["rules"][0]["count"] == 0  # one call only
+    provider_id = backend.create("b1", None, lines)  # the retry, after the 429 passed
+    assert backend.poll(provider_id).counts["total"] == 3
 
 
 @pytest.mark.parametrize(
