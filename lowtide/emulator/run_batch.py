@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ from typing import Any
 import orjson
 
 from lowtide.emulator import model as emulated_model
-from lowtide.emulator.vllm import _parse_chat
+from lowtide.emulator.vllm import _parse_chat, chat_completion
 
 CHAT_URL = "/v1/chat/completions"
 # The endpoints vLLM's run-batch dispatches; only chat is answered by the emulated model.
@@ -190,40 +189,9 @@ def _line(custom_id: str, status: int, body: dict[str, Any] | None, error: Any) 
 
 
 def _completion(answer: emulated_model.ModelAnswer, served: str) -> dict[str, Any]:
-    return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": served,
-        "choices": [
-            {
-                "index": 0,
-                "message": {
-                    "role": "assistant",
-                    "content": answer.text,
-                    "refusal": None,
-                    "annotations": None,
-                    "audio": None,
-                    "function_call": None,
-                    "tool_calls": [],
-                    "reasoning_content": None,
-                },
-                "logprobs": None,
-                "finish_reason": answer.finish_reason,
-                "stop_reason": None,
-            }
-        ],
-        "service_tier": None,
-        "system_fingerprint": None,
-        "usage": {
-            "prompt_tokens": answer.prompt_tokens,
-            "total_tokens": answer.prompt_tokens + answer.completion_tokens,
-            "completion_tokens": answer.completion_tokens,
-            "prompt_tokens_details": None,
-        },
-        "prompt_logprobs": None,
-        "kv_transfer_params": None,
-    }
+    return chat_completion(
+        served, answer.text, answer.finish_reason, answer.prompt_tokens, answer.completion_tokens
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -87,6 +87,52 @@ def _error(status: int, message: str, kind: str, param: str | None = None) -> Re
     )
 
 
+def chat_completion(
+    served_model_name: str,
+    text: str,
+    finish_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    prompt_tokens_details: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """A `chat.completion` body shaped as vLLM's OpenAI server returns it (also used by the
+    emulated run-batch)."""
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": served_model_name,
+        "choices": [
+            {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": text,
+                    "refusal": None,
+                    "annotations": None,
+                    "audio": None,
+                    "function_call": None,
+                    "tool_calls": [],
+                    "reasoning_content": None,
+                },
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": None,
+            }
+        ],
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens,
+            "prompt_tokens_details": prompt_tokens_details,
+        },
+        "prompt_logprobs": None,
+        "kv_transfer_params": None,
+    }
+
+
 def create_vllm_app(
     config: EngineConfig | None = None,
     *,
@@ -184,40 +230,14 @@ def create_vllm_app(
             )
         details = {"cached_tokens": result.cached_tokens} if enable_prompt_tokens_details else None
         return _json(
-            {
-                "id": f"chatcmpl-{uuid.uuid4().hex}",
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": served_model_name,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {
-                            "role": "assistant",
-                            "content": answer.text,
-                            "refusal": None,
-                            "annotations": None,
-                            "audio": None,
-                            "function_call": None,
-                            "tool_calls": [],
-                            "reasoning_content": None,
-                        },
-                        "logprobs": None,
-                        "finish_reason": answer.finish_reason,
-                        "stop_reason": None,
-                    }
-                ],
-                "service_tier": None,
-                "system_fingerprint": None,
-                "usage": {
-                    "prompt_tokens": prompt_tokens,
-                    "total_tokens": prompt_tokens + completion_tokens,
-                    "completion_tokens": completion_tokens,
-                    "prompt_tokens_details": details,
-                },
-                "prompt_logprobs": None,
-                "kv_transfer_params": None,
-            }
+            chat_completion(
+                served_model_name,
+                answer.text,
+                answer.finish_reason,
+                prompt_tokens,
+                completion_tokens,
+                details,
+            )
         )
 
     @app.get("/v1/models")
