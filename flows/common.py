@@ -183,7 +183,6 @@ def schedule_retries(job: JobSpec, ctx: RunContext, run_id: str) -> bool:
         ctx.state_path,
         job.retry,
         deadline_passed(run.get("started_at"), job.retry.deadline_hours),
-        False,
     )
     started = False
     if plan["resubmit"]:

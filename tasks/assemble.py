@@ -7,8 +7,6 @@ the backend's request and byte limits.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import orjson
 import polars as pl
 from prefect import task
@@ -276,9 +274,3 @@ def assemble_task(
         "est_input_tokens": est_in,
         "resumed": False,
     }
-
-
-def write_shard_file(lines: list[str], path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path

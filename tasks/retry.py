@@ -28,7 +28,7 @@ _RETRYABLE = ("expired", "cancelled")
 
 
 def retry_plan(
-    outcomes: pl.DataFrame, spec: RetrySpec, *, past_deadline: bool, user_cancelled: bool
+    outcomes: pl.DataFrame, spec: RetrySpec, *, past_deadline: bool
 ) -> dict[str, list[str]]:
     """Split unanswered requests into resubmit / realtime / reask lists of custom_ids.
 
@@ -38,9 +38,7 @@ def retry_plan(
     transient = (pl.col("outcome") == "provider_error") & pl.col("error").fill_null(
         ""
     ).str.contains(_TRANSIENT_ERROR.pattern)
-    retryable = transient | (
-        pl.col("outcome").is_in(_RETRYABLE) if not user_cancelled else pl.lit(False)
-    )
+    retryable = transient | pl.col("outcome").is_in(_RETRYABLE)
     can_batch = pl.col("batch_attempts") < spec.max_attempts
     untried_realtime = pl.col("realtime_attempts") == 0
     resubmit = pl.lit(False) if past_deadline else retryable & can_batch
@@ -83,7 +81,7 @@ def reask_line(line: str, error: str | None, finish_reason: str | None, factor: 
 
 @task(name="plan-retries", task_run_name="plan-retries-{run_id}")
 def plan_retries_task(
-    run_id: str, state_path: str, spec: RetrySpec, past_deadline: bool, user_cancelled: bool
+    run_id: str, state_path: str, spec: RetrySpec, past_deadline: bool
 ) -> dict[str, list[str]]:
     from lowtide.store.state import Store
 
@@ -92,5 +90,4 @@ def plan_retries_task(
         store.run_request_outcomes(run_id),
         spec,
         past_deadline=past_deadline,
-        user_cancelled=user_cancelled,
     )
