@@ -103,6 +103,20 @@ class Proc:
         self._out.close()
 
 
+class BusyRetryTransport(httpx.HTTPTransport):
+    """A test server on a loaded 2-core machine answers 503 while its SQLite is busy: wait and
+    ask again (a few times), as an operator's browser would."""
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        for attempt in range(6):
+            response = super().handle_request(request)
+            if response.status_code != 503 or attempt == 5:
+                return response
+            response.close()
+            time.sleep(0.5 * 2**attempt)
+        return response
+
+
 @dataclass
 class PrefectServer:
     """A running server: its URLs, environment for CLI subprocesses, and an API client."""
@@ -237,7 +251,7 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefect
         home / "server.log",
         home,
     )
-    api = httpx.Client(base_url=f"{url}/api", timeout=30)
+    api = httpx.Client(base_url=f"{url}/api", timeout=30, transport=BusyRetryTransport())
     try:
         deadline = time.monotonic() + 120
         while True:
