@@ -252,9 +252,7 @@ class Store:
                                WHERE br.custom_id = w.custom_id
                                  AND runs.status IN ('running', 'submitted')
                                  AND (b.status NOT IN {TERMINAL_BATCH} OR NOT b.collected))
-                           AS in_flight,
-                       (SELECT count(*) FROM batch_requests br WHERE br.custom_id = w.custom_id)
-                           AS attempts
+                           AS in_flight
                 FROM wanted w LEFT JOIN results r USING (custom_id)
                 """,
             )
