@@ -1,7 +1,7 @@
 """collect: finish every in-flight run in the store, once; meant to run on a schedule.
 
-For each unfinished run that has batches: submit what is pending, poll once, collect ended
-batches, start retries, and finish (score, price, publish) the runs whose requests all ended.
+For each unfinished run that has batches: `advance` it without waiting (submit what is pending,
+poll once, collect ended batches, start retries) and `finish` the runs whose requests all ended.
 Holds no worker while providers work: each call is a few seconds, then it exits.
 """
 
@@ -12,58 +12,59 @@ from typing import Any
 
 from prefect import flow
 
-from flows.common import RunContext, drive_run, emulator_for, finish_run, price_for, summary
+from flows.enrich import advance, finish, run_summary
 from lowtide import artifacts
+from lowtide.context import run_context
+from lowtide.errors import LowtideError, RunBusyError
 from lowtide.jobspec import load_job
-from lowtide.lease import LEASE_S, process_owner
+from lowtide.lease import driving
 from lowtide.settings import Settings
-from lowtide.store.state import Store
+from lowtide.store import Store
 
 
 def _run_name() -> str:
     return f"collect-{datetime.now(UTC):%Y-%m-%d-%H%M}"
 
 
+class CollectError(LowtideError, ExceptionGroup[Exception]):
+    """Some runs could not be collected; the others were. Each inner error is one run's."""
+
+
 @flow(name="collect", flow_run_name=_run_name, log_prints=False)
 def collect(
     state: str | None = None, db: str | None = None, emulator_url: str | None = None
 ) -> list[dict[str, Any]]:
-    """One pass over in-flight runs; returns a summary per run it touched."""
+    """One pass over in-flight runs; returns a summary per run it touched. A run another live
+    process drives is skipped. A run that fails keeps its error and the others still go; the
+    flow run then fails with every failure, each with its type."""
     settings = Settings().with_overrides(state=state, db=db)
     if not settings.state.is_file():
         return []
     store = Store(settings.state, settings.lock_timeout_s)
-    runs = store.query(
-        "SELECT run_id, job_file, backend FROM runs WHERE status IN ('submitted', 'running', "
-        "'cancelling') AND run_id IN (SELECT run_id FROM batches) ORDER BY started_at"
-    )
     touched = []
-    problems: list[str] = []
-    owner = process_owner()
-    for run in runs.iter_rows(named=True):
-        if store.claim_run(run["run_id"], owner, LEASE_S) is not None:
-            continue  # a live enrich (or another collect) is driving it
+    problems: list[Exception] = []
+    for run in store.in_flight_runs():
         try:
-            touched.append(_collect_one(run, settings, store, emulator_url))
-        except Exception as e:  # noqa: BLE001 - recorded on the run, re-raised after the others
-            store.update_run(run["run_id"], error=f"collect: {e}"[:2000])
-            problems.append(f"{run['run_id']}: {e}")
-        finally:
-            store.release_run(run["run_id"], owner)
+            touched.append(_collect_one(run, settings, emulator_url))
+        except RunBusyError:
+            continue  # a live enrich (or another collect) is driving it
+        except Exception as e:  # noqa: BLE001 - recorded on the run, raised after the others
+            store.record_error(run["run_id"], f"collect: {type(e).__name__}: {e}")
+            e.add_note(f"while collecting run {run['run_id']}")
+            problems.append(e)
     if problems:
         # the other runs were collected; the flow run still fails so the schedule shows it
-        raise RuntimeError("collect failed for " + "; ".join(problems))
+        raise CollectError(f"collect failed for {len(problems)} run(s)", problems)
     return touched
 
 
-def _collect_one(run: dict, settings: Settings, store: Store, emulator_url: str | None) -> dict:
+def _collect_one(run: dict[str, Any], settings: Settings, emulator_url: str | None) -> dict:
     job = load_job(run["job_file"], run["backend"])
-    with emulator_for(run["backend"], emulator_url) as emu_url:
-        ctx = RunContext(settings, store, run["backend"], emu_url, price_for(job, run["backend"]))
-        finished = drive_run(job, ctx, run["run_id"], wait=False)
+    with run_context(settings, job, emulator_url) as ctx, driving(ctx.store, run["run_id"]):
+        finished = advance(ctx, run["run_id"], wait=False)
         if finished:
-            finish_run(job, ctx, run["run_id"])
-    result = summary(store, run["run_id"], settings)
+            finish(ctx, run["run_id"])
+        summary = run_summary(ctx, run["run_id"])
     if finished:
-        artifacts.publish_run_report(result)
-    return result
+        artifacts.publish_run_report(summary)
+    return summary

@@ -1,8 +1,14 @@
-"""enrich: one job end to end — load → chunk → dedupe → assemble → submit → poll → join → parse
-→ retries/re-asks → qa → reconcile → finalize → publish. Tasks are per stage, and per shard
-where work is sharded; never per row. Every fact lands in the state file; task results are
-small (paths, ids, counts). With wait=False the flow stops after submitting and the scheduled
-`collect` flow finishes the run.
+"""enrich: one job end to end, in three phases of task calls.
+
+    prepare  load → chunk → dedupe → assemble (the write-ahead manifest)
+    advance  submit → poll → join → parse → retry round, looped until every request has its
+             final outcome (or, with wait=False, until the batches are in flight)
+    finish   qa → reconcile → finalize → publish
+
+Tasks are per stage, and per batch where work is batched; never per row. Every fact lands in the
+state file; task results are small (paths, ids, counts). A rerun of the same job content on the
+same input resumes the unfinished run, so nothing accepted by a provider is sent again; the
+scheduled `collect` flow reuses `advance` and `finish` for runs that stopped after submitting.
 """
 
 from __future__ import annotations
@@ -12,33 +18,30 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import orjson
-import polars as pl
 from prefect import flow
 from prefect.runtime import flow_run
 
-from flows.common import (
-    RunContext,
-    drive_run,
-    emulator_for,
-    finish_run,
-    now,
-    price_for,
-    submit_pending,
-    summary,
-)
 from lowtide import artifacts, progress
-from lowtide.backends import make_backend
+from lowtide.context import RunContext, run_context
 from lowtide.crashpoints import crash_point
-from lowtide.jobspec import JobSpec, load_job
-from lowtide.lease import LEASE_S, RunBusyError, process_owner
+from lowtide.jobspec import load_job
+from lowtide.lease import driving
 from lowtide.settings import Settings
-from lowtide.store.publish import source_table
-from lowtide.store.state import Store
+from lowtide.vocabulary import RunStatus
 from tasks.assemble import assemble_task
 from tasks.chunk import chunk_task
 from tasks.dedupe import dedupe_task
+from tasks.finalize import finalize_task, publish_task
+from tasks.join import join_task
 from tasks.load import input_fingerprint, load_task
+from tasks.parse import parse_task
+from tasks.poll import poll_task
+from tasks.qa import qa_task
+from tasks.realtime import realtime_task
+from tasks.reconcile import reconcile_task
+from tasks.retry import retry_round_task
+from tasks.stream import stream_task
+from tasks.submit import submit_task
 
 
 def _run_name() -> str:
@@ -56,118 +59,151 @@ def enrich(
     wait: bool = True,
     emulator_url: str | None = None,
 ) -> dict[str, Any]:
-    """Run one job. Resumes the newest unfinished run of the same job content, so a rerun after
-    a crash sends nothing already accepted by the provider."""
+    """Run one job; returns the run's summary. Resumes the newest unfinished run of the same
+    job content and input, so a rerun after a crash sends nothing already accepted."""
     settings = Settings().with_overrides(state=state, db=db)
     job = load_job(job_file, backend)
-    store = Store(settings.state, settings.lock_timeout_s)
-    price = price_for(job, job.model.backend)
-    run_id = _open_run(job, store)
-    owner = process_owner()
-    holder = store.claim_run(run_id, owner, LEASE_S)
-    if holder is not None:
-        raise RunBusyError(
-            f"run {run_id} is being driven by another lowtide process ({holder}), e.g. a "
-            "scheduled collect; it will finish the run. `lowtide status` shows its progress."
-        )
-    progress_id = artifacts.start_progress(job.name)
-
-    def batches_progress(stage: str, done: int, total: int, note: str) -> None:
-        if stage == "batches":
-            artifacts.update_progress(progress_id, done, total)
-
-    progress.add_listener(batches_progress)
-    try:
-        with emulator_for(job.model.backend, emulator_url) as emu_url:
-            ctx = RunContext(settings, store, job.model.backend, emu_url, price)
+    with run_context(settings, job, emulator_url) as ctx:
+        run_id = open_run(ctx)
+        with driving(ctx.store, run_id), artifacts.progress_artifact(job.name) as progress_id:
             try:
-                if store.run_batches(run_id).is_empty():
-                    _prepare(job, ctx, run_id)
+                if not ctx.store.has_manifest(run_id):
+                    prepare(ctx, run_id)
                     crash_point("after_manifest")
-                submit_pending(job, ctx, run_id)
-                if drive_run(job, ctx, run_id, wait):
-                    finish_run(job, ctx, run_id)
+                if advance(ctx, run_id, wait):
+                    finish(ctx, run_id)
             except Exception as e:
-                # After the manifest exists the run stays resumable; before it, nothing was sent.
-                sent = store.run_batches(run_id).height > 0
-                store.update_run(
-                    run_id,
-                    error=str(e)[:2000],
-                    **({} if sent else {"status": "failed", "finished_at": now()}),
-                )
+                _record_failure(ctx, run_id, e)
                 raise
-        result = summary(store, run_id, settings)
-        if result["status"] in ("completed", "cancelled", "held"):
-            artifacts.update_progress(progress_id, 1, 1)
-            artifacts.publish_run_report(result)
-        return result
-    finally:
-        progress.remove_listener(batches_progress)
-        store.release_run(run_id, owner)
+            summary = run_summary(ctx, run_id)
+            if RunStatus(summary["status"]).finished:
+                artifacts.update_progress(progress_id, 1, 1)
+                artifacts.publish_run_report(summary)
+        return summary
 
 
-def _open_run(job: JobSpec, store: Store) -> str:
-    """The unfinished run of this job content to resume, or a new run."""
+def prepare(ctx: RunContext, run_id: str) -> None:
+    """load → chunk → dedupe → assemble: the run's units and its write-ahead manifest."""
+    progress.report("load")
+    loaded = load_task(ctx, run_id)
+    progress.report("chunk")
+    chunked = chunk_task(ctx, run_id, loaded)
+    progress.report("dedupe")
+    deduped = dedupe_task(ctx, run_id, chunked)
+    ctx.store.record_prepared(
+        run_id,
+        rows=loaded["rows"],
+        units=deduped["row_units"],
+        unique_requests=deduped["unique_requests"],
+        cache_hits=deduped["cache_hits"],
+    )
+    progress.report("assemble")
+    plan = assemble_task(ctx, run_id, deduped)
+    ctx.store.record_estimate(run_id, plan["estimate_usd"])
+
+
+def advance(ctx: RunContext, run_id: str, wait: bool) -> bool:
+    """submit → poll → join → parse → retry round, until every request has its final outcome
+    (True) or, with wait=False, until what is left is in flight at the provider (False)."""
+    while True:
+        send_pending(ctx, run_id)
+        ended = poll_task(ctx, run_id, wait)
+        collect_ended(ctx, run_id)
+        if not ended:
+            return False
+        if not retry_round_task(ctx, run_id):
+            return True
+        if not wait:
+            send_pending(ctx, run_id)
+            if ctx.store.open_batches(run_id).height:
+                return False
+
+
+def finish(ctx: RunContext, run_id: str) -> None:
+    """qa → reconcile → finalize → publish, for a run whose requests all have final outcomes."""
+    progress.report("qa")
+    qa = qa_task(ctx, run_id)
+    cost = reconcile_task(ctx, run_id)
+    counts = finalize_task(ctx, run_id)
+    ctx.store.finish_run(
+        run_id,
+        hold_reasons=qa["hold"],
+        succeeded=counts["succeeded"],
+        failed=counts["failed"],
+        eval_accuracy=qa["eval_accuracy"],
+        cost_usd=cost["cost_usd"],
+        realtime_cost_usd=cost["realtime_cost_usd"],
+        naive_cost_usd=cost["naive_cost_usd"],
+    )
+    progress.report("publish")
+    publish_task(ctx, run_id)
+
+
+def send_pending(ctx: RunContext, run_id: str) -> None:
+    """Everything of the run not sent yet: realtime batches are answered now; provider batches
+    are submitted; a streaming backend's shards run through its pool to the end."""
+    store = ctx.store
+    pending_realtime = store.pending_realtime_batches(run_id)
+    for batch_id in pending_realtime:
+        realtime_task(ctx, batch_id, run_id)
+    if ctx.entry.mode == "stream":
+        shards = store.uncollected_shards(run_id)
+        if shards:
+            store.mark_submitted(run_id)
+        for batch_id in shards:
+            stream_task(ctx, batch_id, run_id)
+        sent = shards
+    else:
+        sent = store.unsent_provider_batches(run_id)
+        for i, batch_id in enumerate(sent):
+            progress.report("submit", i, len(sent))
+            submit_task(ctx, batch_id)
+    if pending_realtime or sent:
+        store.fold_reasks()
+        store.mark_submitted(run_id)
+
+
+def collect_ended(ctx: RunContext, run_id: str) -> None:
+    """Join and parse every ended, uncollected batch of the run."""
+    ended = ctx.store.ended_uncollected_batches(run_id)
+    for batch_id in ended:
+        progress.report("collect", 0, 0, batch_id)
+        parse_task(ctx, batch_id, join_task(ctx, batch_id))
+    if ended:
+        ctx.store.fold_reasks()
+
+
+def open_run(ctx: RunContext) -> str:
+    """The unfinished run of this job content and input to resume, or a new run."""
+    job, store = ctx.job, ctx.store
     fingerprint = job.prompt_fingerprint()
     inputs = input_fingerprint(job)
     run_id = store.resumable_run(job.name, fingerprint, inputs)
     if run_id is not None:
         return run_id
     run_id = f"{job.name}-{datetime.now(UTC):%Y%m%dT%H%M%S}-{secrets.token_hex(2)}"
-    store.save_job(
-        job.name,
-        job.view_name,
-        job.input.id_column,
-        orjson.dumps(job.output_schema).decode(),
-        job.source_path,
-    )
-    store.create_run(
+    store.save_job(job.name, job.view_name, job.input.id_column, job.output_schema, job.source_path)
+    store.open_run(
         run_id=run_id,
         job=job.name,
         job_fingerprint=fingerprint,
         job_file=job.source_path,
-        backend=job.model.backend,
+        backend=ctx.backend,
         model=job.model.name,
-        status="running",
-        started_at=now(),
         input_fingerprint=inputs,
     )
     return run_id
 
 
-def _prepare(job: JobSpec, ctx: RunContext, run_id: str) -> None:
-    """load → chunk → dedupe → assemble: the run's units and its write-ahead manifest."""
-    work_dir = ctx.work_dir(run_id)
-    progress.report("load")
-    loaded = load_task(job, work_dir)
-    ctx.store.save_sources(
-        source_table(job.view_name),
-        run_id,
-        pl.read_parquet(loaded["sources"]).rename({"text": job.input.text_column}),
-    )
-    progress.report("chunk")
-    chunked = chunk_task(job, loaded, work_dir)
-    progress.report("dedupe")
-    deduped = dedupe_task(job, chunked, work_dir, ctx.state_path, run_id)
-    # the counts are written before the manifest, so a crash after it leaves a countable run
-    ctx.store.update_run(
-        run_id,
-        rows=loaded["rows"],
-        units=deduped["row_units"],
-        unique_requests=deduped["unique_requests"],
-        cache_hits=deduped["cache_hits"],
-        requests_sent=0,
-    )
-    caps = make_backend(ctx.backend_name, emulator_url=ctx.emulator_url).capabilities
-    max_requests = min(caps.max_requests, ctx.settings.shard_max_requests or caps.max_requests)
-    plan = assemble_task(
-        job,
-        deduped,
-        run_id,
-        ctx.state_path,
-        ctx.backend_name,
-        max_requests,
-        caps.max_bytes,
-        ctx.price.per_mtok(),
-    )
-    ctx.store.update_run(run_id, estimate_usd=plan["estimate_usd"])
+def run_summary(ctx: RunContext, run_id: str) -> dict[str, Any]:
+    """The run's summary with where its files are."""
+    return {**ctx.store.run_summary(run_id), "db": ctx.db_path, "state": ctx.state_path}
+
+
+def _record_failure(ctx: RunContext, run_id: str, error: Exception) -> None:
+    """Before the manifest exists nothing was sent, so the run ends failed; after, it stays
+    resumable and keeps the error."""
+    if ctx.store.has_manifest(run_id):
+        ctx.store.record_error(run_id, str(error))
+    else:
+        ctx.store.fail_run(run_id, str(error))

@@ -11,10 +11,9 @@ from typing import Any
 
 from prefect import flow
 
-from flows.common import summary
 from lowtide import artifacts
 from lowtide.settings import Settings
-from lowtide.store.state import Store
+from lowtide.store import Store
 
 TREND_RUNS = 7
 
@@ -46,13 +45,7 @@ def report_markdown(store: Store, job: str, run: dict[str, Any], s: dict[str, An
             f"{s.get('qa_samples')} rows sampled, not reviewed yet: "
             f"`lowtide qa export {run['run_id']} --out review.csv`, then `lowtide qa import review.csv`."
         )
-    trend = store.query(
-        "SELECT r.run_id, r.started_at, e.field, e.accuracy FROM eval_scores e "
-        "JOIN runs r USING (run_id) WHERE e.job = ? AND r.run_id IN (SELECT run_id FROM runs "
-        "WHERE job = ? AND finished_at IS NOT NULL ORDER BY started_at DESC LIMIT ?) "
-        "ORDER BY r.started_at, e.field",
-        [job, job, TREND_RUNS],
-    )
+    trend = store.eval_trend(job, TREND_RUNS)
     if trend.height:
         fields = sorted(set(trend["field"]))
         lines += [
@@ -83,14 +76,9 @@ def qa_report(state: str | None = None, job: str | None = None) -> list[str]:
     if not settings.state.is_file():
         return []
     store = Store(settings.state, settings.lock_timeout_s)
-    runs = store.query(
-        "SELECT * FROM runs WHERE finished_at IS NOT NULL AND (? IS NULL OR job = ?) "
-        "QUALIFY row_number() OVER (PARTITION BY job ORDER BY started_at DESC) = 1 ORDER BY job",
-        [job, job],
-    )
     reports = []
-    for run in runs.iter_rows(named=True):
-        text = report_markdown(store, run["job"], run, summary(store, run["run_id"], settings))
+    for run in store.latest_finished_runs(job):
+        text = report_markdown(store, run["job"], run, store.run_summary(run["run_id"]))
         artifacts.publish_markdown(
             run["job"], "qa-report", text, f"{run['job']}: QA and eval report"
         )

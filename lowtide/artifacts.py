@@ -11,11 +11,16 @@ keeps each job's history run after run.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from uuid import UUID
 
 from prefect.context import FlowRunContext
+
+from lowtide import progress
+from lowtide.store.published import first_query
 
 
 def _key(*parts: str) -> str:
@@ -37,6 +42,23 @@ def start_progress(job: str) -> str | None:
         progress=0.0, key=_key(job, "progress"), description=f"{job}: waiting for requests"
     )
     return str(artifact_id)
+
+
+@contextmanager
+def progress_artifact(job: str) -> Iterator[str | None]:
+    """A progress artifact that follows the batches' progress reports while the block runs;
+    yields its id (None outside a flow run)."""
+    artifact_id = start_progress(job)
+
+    def listen(stage: str, done: int, total: int, note: str) -> None:
+        if stage == "batches":
+            update_progress(artifact_id, done, total)
+
+    progress.add_listener(listen)
+    try:
+        yield artifact_id
+    finally:
+        progress.remove_listener(listen)
 
 
 def update_progress(artifact_id: str | None, done: int, total: int) -> None:
@@ -85,7 +107,7 @@ _KEY_METRICS = (
     ("failure_rate", "failure rate", _pct),
     ("retry_rate", "retry rate", _pct),
     ("mean_context_tokens", "mean context tokens", lambda v: f"{v:,.0f}"),
-    ("slowest_unit_s", "slowest unit (s)", lambda v: f"{v:,.1f}"),
+    ("slowest_batch_s", "slowest batch (s)", lambda v: f"{v:,.1f}"),
     ("max_output_tokens", "longest answer (tokens)", lambda v: f"{v:,.0f}"),
 )
 
@@ -95,7 +117,7 @@ def run_table(summary: dict[str, Any]) -> list[dict[str, str]]:
 
     Row count and cost come first: they are what an operator checks every morning."""
     m = summary.get("metrics") or {}
-    realtime = summary.get("realtime_cost_usd") or 0.0
+    naive = summary.get("naive_cost_usd") or 0.0
     cost = summary.get("cost_usd") or 0.0
     rows: list[tuple[str, Any]] = [
         ("rows", _int(summary.get("rows"))),
@@ -113,10 +135,11 @@ def run_table(summary: dict[str, Any]) -> list[dict[str, str]]:
         ("cached input tokens", _int(summary.get("cached_tokens"))),
         ("output tokens", _int(summary.get("output_tokens"))),
         ("estimate", _usd(summary.get("estimate_usd"))),
-        ("realtime counterfactual", _usd(realtime)),
+        ("billed tokens at realtime price", _usd(summary.get("realtime_cost_usd"))),
+        ("realtime, no dedupe, no cache", _usd(naive)),
         (
             "savings",
-            _usd(realtime - cost) + (f" ({(realtime - cost) / realtime:.0%})" if realtime else ""),
+            _usd(naive - cost) + (f" ({(naive - cost) / naive:.0%})" if naive else ""),
         ),
     ]
     for name, label, fmt in _KEY_METRICS:
@@ -137,7 +160,8 @@ def run_report_markdown(summary: dict[str, Any]) -> str:
     the summary carries `eval_previous_by_field`), failures by reason and links to the files.
 
     Optional summary keys used when present: `qa_samples` (rows sampled for review),
-    `exports` (label → file path), `eval_previous_by_field`, `eval_flagged`."""
+    `exports` (label → file path), `eval_previous_by_field`, `gate_note` (why the eval gate
+    held the run)."""
     job = str(summary.get("job", ""))
     lines = [f"# {job} — run {summary.get('run_id')}", ""]
     lines.append(
@@ -145,7 +169,7 @@ def run_report_markdown(summary: dict[str, Any]) -> str:
         f"succeeded, **{_int(summary.get('failed') or 0)}** failed; cost "
         f"**{_usd(summary.get('cost_usd') or 0.0)}** "
         f"(estimate {_usd(summary.get('estimate_usd')) or 'n/a'}, "
-        f"realtime {_usd(summary.get('realtime_cost_usd')) or 'n/a'})."
+        f"realtime, no dedupe, no cache {_usd(summary.get('naive_cost_usd')) or 'n/a'})."
     )
     if summary.get("qa_samples") is not None:
         lines += [
@@ -169,8 +193,12 @@ def run_report_markdown(summary: dict[str, Any]) -> str:
         else:
             lines += ["| field | accuracy |", "|---|---|"]
             lines += [f"| {k} | {v:.1%} |" for k, v in evals.items()]
-        if summary.get("eval_flagged"):
-            lines += ["", f"**Eval drop flagged:** {summary['eval_flagged']}"]
+    if summary.get("gate_note"):
+        lines += [
+            "",
+            f"**Held by the eval gate:** {summary['gate_note']}. The job view keeps the last "
+            f"published run; `lowtide publish {summary.get('run_id')}` releases this one.",
+        ]
     failures = summary.get("failures_by_reason") or {}
     if failures:
         lines += ["", "## Failures by reason", "", "| reason | rows |", "|---|---|"]
@@ -181,7 +209,7 @@ def run_report_markdown(summary: dict[str, Any]) -> str:
         lines += ["", "## Files", ""]
         lines += [f"- {label}: {_link(str(path))}" for label, path in files.items()]
     view = job.replace("-", "_")
-    lines += ["", f'First query: `lowtide sql "SELECT * FROM {view} LIMIT 10"`.']
+    lines += ["", f'First query: `lowtide sql "{first_query(view, ["*"], 10)}"`.']
     return "\n".join(lines)
 
 

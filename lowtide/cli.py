@@ -2,54 +2,54 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.table import Table
+from rich.markup import escape
+from typer.core import TyperGroup
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
-console = Console()
-err_console = Console(stderr=True)
+from lowtide import render
+from lowtide.errors import LowtideError
+
+console = render.console
+err_console = render.err_console
+
+
+class _OneLineErrors(TyperGroup):
+    """Every command's lowtide errors become one line on stderr and the error's exit code
+    (`lowtide.errors`); anything else is a bug and keeps its traceback."""
+
+    def invoke(self, ctx: Any) -> Any:  # typer's vendored click.Context
+        try:
+            return super().invoke(ctx)
+        except LowtideError as e:
+            raise typer.Exit(render.error(e)) from e
+
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__, cls=_OneLineErrors)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_JOB = REPO_ROOT / "data" / "jobs" / "support-intents.toml"
 
 
 def _prefect_env() -> None:
-    """Keep Prefect offline and inside the working directory unless the user chose otherwise."""
-    os.environ.setdefault("PREFECT_HOME", str(Path(".lowtide/prefect").resolve()))
-    # Prefect's SQLite cannot create the folder itself ("unable to open database file")
-    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    # The terminal gets lowtide's own one-line errors; full tracebacks still reach the Prefect
-    # UI through its API log handler.
-    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    from lowtide.settings import prefect_defaults
+
+    prefect_defaults(Path(".lowtide/prefect"))
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/] {message}")
+    err_console.print(f"[bold red]error:[/] {escape(message)}")
     return typer.Exit(code)
 
 
 def _with_progress(call):  # noqa: ANN001, ANN202 - any flow call
-    """Run a flow call with a live progress display; known errors become one clear line."""
+    """Run a flow call with a live progress display (errors are reported by `main`)."""
     _prefect_env()
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from lowtide import progress as progress_channel
-    from lowtide.backends.base import BackendError
-    from lowtide.jobspec import JobFileError
-    from lowtide.lease import RunBusyError
-    from lowtide.pricing import PriceError
-    from lowtide.store.state import StateLockedError
-    from tasks.assemble import BudgetExceededError
-    from tasks.load import InputError
 
     with Progress(
         SpinnerColumn(),
@@ -70,16 +70,6 @@ def _with_progress(call):  # noqa: ANN001, ANN202 - any flow call
         progress_channel.set_reporter(show)
         try:
             return call()
-        except (
-            JobFileError,
-            InputError,
-            PriceError,
-            BudgetExceededError,
-            StateLockedError,
-            BackendError,
-            RunBusyError,
-        ) as e:
-            raise _fail(str(e)) from e
         finally:
             progress_channel.set_reporter(None)
 
@@ -91,12 +81,9 @@ def _run_job(
     wait: bool,
     emulator_url: str | None = None,
 ) -> dict[str, Any]:
-    from lowtide.jobspec import JobFileError, load_job
+    from lowtide.jobspec import load_job
 
-    try:  # a bad job file is reported at once, before Prefect starts
-        load_job(job_file, backend)
-    except JobFileError as e:
-        raise _fail(str(e)) from e
+    load_job(job_file, backend)  # a bad job file is reported at once, before Prefect starts
 
     def call() -> dict[str, Any]:
         from flows.enrich import enrich
@@ -110,67 +97,6 @@ def _run_job(
         )
 
     return _with_progress(call)
-
-
-def _print_summary(s: dict[str, Any]) -> None:
-    t = Table(title=f"run {s['run_id']} — {s['status']}", show_header=False)
-    t.add_column(style="bold")
-    t.add_column(justify="right")
-    m = s.get("metrics") or {}
-    realtime = s.get("realtime_cost_usd") or 0.0
-    cost = s.get("cost_usd") or 0.0
-    rows = [
-        ("job / backend", f"{s['job']} / {s['backend']} ({s['model']})"),
-        ("rows", s.get("rows")),
-        ("units (after chunking)", s.get("units")),
-        ("unique requests (incl. eval set)", s.get("unique_requests")),
-        ("answered by earlier runs (cache)", s.get("cache_hits")),
-        ("requests sent", s.get("requests_sent")),
-        ("succeeded", s.get("succeeded")),
-        ("failed", s.get("failed")),
-        (
-            "tokens in / cached / out",
-            f"{s.get('input_tokens', 0):,} / {s.get('cached_tokens', 0):,} / {s.get('output_tokens', 0):,}",
-        ),
-        ("cost (batch price)", f"${cost:.4f}"),
-        ("realtime, no dedupe, no cache", f"${realtime:.4f}"),
-        (
-            "savings vs realtime",
-            f"${realtime - cost:.4f}"
-            + (f" ({(realtime - cost) / realtime:.0%})" if realtime else ""),
-        ),
-        (
-            "  of which dedupe / cache",
-            f"${m.get('dedupe_savings_usd', 0.0):.4f} / ${m.get('cache_savings_usd', 0.0):.4f}",
-        ),
-        (
-            "eval accuracy",
-            "n/a"
-            if s.get("eval_accuracy") is None
-            else f"{s['eval_accuracy']:.1%} "
-            + " ".join(
-                f"{k}={v:.1%}" for k, v in (s.get("eval_by_field") or {}).items() if v is not None
-            ),
-        ),
-    ]
-    if s.get("failures_by_reason"):
-        rows.append(
-            (
-                "failures by reason",
-                ", ".join(f"{k}: {v}" for k, v in s["failures_by_reason"].items()),
-            )
-        )
-    for k, v in rows:
-        t.add_row(k, "" if v is None else str(v))
-    console.print(t)
-    if s.get("units") and s.get("row_units_cached") == s.get("units"):
-        sent = s.get("requests_sent") or 0
-        tail = (
-            "nothing was sent."
-            if not sent
-            else f"only the eval set ({sent} requests) was asked afresh, to catch model drift."
-        )
-        console.print(f"[green]Every row was answered by an earlier run (cache): {tail}[/]")
 
 
 def _exit_for(summary: dict[str, Any], wait: bool = True) -> None:
@@ -214,7 +140,7 @@ def run(
             "`lowtide collect` finishes it (schedule it every few minutes)."
         )
     else:
-        _print_summary(summary)
+        render.run_summary(summary)
     _exit_for(summary, wait)
 
 
@@ -234,7 +160,7 @@ def collect(
         console.print("nothing in flight")
     for s in touched:
         if s.get("status") in ("completed", "cancelled", "held"):
-            _print_summary(s)
+            render.run_summary(s)
         else:
             console.print(f"run {s['run_id']}: {s['status']}, still waiting on the provider")
 
@@ -244,44 +170,14 @@ def cancel(
     run_id: Annotated[str, typer.Argument(help="The run whose in-flight batches to cancel.")],
 ) -> None:
     """Cancel a run's in-flight batches; `lowtide collect` then records what finished."""
-    import orjson
-
-    from lowtide.backends import make_backend
-    from lowtide.backends.base import BackendError
+    from flows.operations import cancel_run
     from lowtide.settings import Settings
-    from lowtide.store.state import Store
 
-    settings = Settings()
-    store = Store(settings.state, settings.lock_timeout_s)
-    run = store.get_run(run_id)
-    if run is None:
-        raise _fail(f"no run {run_id!r} in {settings.state}")
-    if run["status"] not in ("running", "submitted", "cancelling"):
-        raise _fail(f"run {run_id} is {run['status']}; only a run in flight can be cancelled")
-    # marked first, so nothing starts another round while the cancel calls go out
-    store.update_run(run_id, status="cancelling")
-    unsent = store.query(
-        "SELECT batch_id FROM batches WHERE run_id = ? AND provider_batch_id IS NULL "
-        "AND status IN ('pending', 'uploaded')",
-        [run_id],
-    )
-    reason = orjson.dumps([{"code": "cancelled", "message": "cancelled before it was sent"}])
-    for b in unsent["batch_id"]:
-        store.update_batch(b, status="cancelled", errors=reason.decode())
-    live = store.query(
-        "SELECT batch_id, provider_batch_id FROM batches WHERE run_id = ? AND provider_batch_id "
-        "IS NOT NULL AND status NOT IN ('completed', 'failed', 'expired', 'cancelled')",
-        [run_id],
-    )
-    try:
-        backend = make_backend(run["backend"], emulator_url=os.environ.get("LOWTIDE_EMULATOR_URL"))
-        for b in live.iter_rows(named=True):
-            backend.cancel(b["provider_batch_id"])
-    except BackendError as e:
-        raise _fail(f"{e} (the run is marked cancelling; run `lowtide cancel` again)") from e
+    done = cancel_run(Settings(), run_id)
     console.print(
-        f"run {run_id}: cancel sent for {live.height} batch(es), {unsent.height} not yet sent "
-        "dropped; finished work is kept. Run `lowtide collect` to record the outcome."
+        f"run {run_id}: cancel sent for {done['cancelled_in_flight']} batch(es), "
+        f"{done['dropped_unsent']} not yet sent dropped; finished work is kept. "
+        "Run `lowtide collect` to record the outcome."
     )
 
 
@@ -293,26 +189,11 @@ def publish(
     db: Annotated[Path | None, typer.Option(help="Published DuckDB file.")] = None,
 ) -> None:
     """Make a finished run the one the job view shows, and rebuild the published file."""
-    from datetime import UTC, datetime
-
+    from flows.operations import publish_run
     from lowtide.settings import Settings
-    from lowtide.store.publish import publish as publish_file
-    from lowtide.store.state import Store
 
-    settings = Settings().with_overrides(db=db)
-    store = Store(settings.state, settings.lock_timeout_s)
-    run = store.get_run(run_id)
-    if run is None:
-        raise _fail(f"no run {run_id!r} in {settings.state}")
-    if run["status"] not in ("completed", "held", "cancelled"):
-        raise _fail(f"run {run_id} is {run['status']}; only a finished run can be published")
-    store.update_run(
-        run_id,
-        status="completed" if run["status"] == "held" else run["status"],
-        published_at=datetime.now(UTC).replace(tzinfo=None),
-    )
-    path = publish_file(store, settings.db, store.job_views())
-    console.print(f"run {run_id} published to {path}")
+    done = publish_run(Settings().with_overrides(db=db), run_id)
+    console.print(f"run {run_id} published to {done['db']}")
 
 
 @app.command()
@@ -325,16 +206,13 @@ def export(
 ) -> None:
     """Write a run's rows as the job view shows them (source columns and typed outputs)."""
     from lowtide.settings import Settings
-    from lowtide.store.export import export_run
+    from lowtide.store import EXPORT_FORMATS, Store
 
-    if format not in ("parquet", "csv", "jsonl"):
-        raise _fail(f"unknown format {format!r}; use parquet, csv or jsonl")
+    if format not in EXPORT_FORMATS:
+        raise _fail(f"unknown format {format!r}; use {', '.join(EXPORT_FORMATS)}")
     settings = Settings()
     target = out or Path(f"{run_id}.{format}")
-    try:
-        rows = export_run(settings, run_id, target, format)
-    except LookupError as e:
-        raise _fail(str(e)) from e
+    rows = Store(settings.state, settings.lock_timeout_s).export_run(run_id, target, format)
     console.print(f"{rows} rows written to {target}")
 
 
@@ -344,44 +222,19 @@ def demo(
 ) -> None:
     """Run the sample job on the built-in emulator (no keys, no GPU) and show a first query."""
     summary = _run_job(SAMPLE_JOB, "emulator", db, True)
-    _print_summary(summary)
+    render.run_summary(summary)
     view = summary["job"].replace("-", "_")
     console.print(f"\nResults are in {summary['db']}. A first query:")
-    query = f"SELECT message_id, channel, intent, urgency, summary FROM {view} LIMIT 5"
+    from lowtide.store.published import first_query
+
+    query = first_query(view, ["message_id", "channel", "intent", "urgency", "summary"])
     console.print(f'  [bold]lowtide sql "{query}"[/]')
-    _sql(query, Path(summary["db"]))
+    render.published_query(query, Path(summary["db"]))
     console.print(
-        f'Every column: [bold]lowtide sql "SELECT * FROM {view} LIMIT 5"[/] '
+        f'Every column: [bold]lowtide sql "{first_query(view, ["*"])}"[/] '
         f"(or duckdb {summary['db']})"
     )
     _exit_for(summary)
-
-
-def _sql(query: str, db: Path) -> None:
-    import duckdb
-
-    if not db.is_file():
-        raise _fail(f"{db}: no published file yet; run a job first (lowtide demo)")
-    con = duckdb.connect(str(db), read_only=True)
-    try:
-        rel = con.sql(query)
-        if rel is None:
-            console.print("ok")
-            return
-        cols = rel.columns
-        rows = rel.limit(200).fetchall()
-    except duckdb.Error as e:
-        raise _fail(f"{db}: {e}") from e
-    finally:
-        con.close()
-    t = Table(show_lines=False)
-    for c in cols:
-        t.add_column(c, no_wrap=True, overflow="ellipsis", max_width=32)
-    for r in rows:
-        t.add_row(*["" if v is None else " ".join(str(v).split())[:200] for v in r])
-    console.print(t)
-    if len(rows) == 200:
-        console.print("(first 200 rows shown)")
 
 
 @app.command()
@@ -392,7 +245,7 @@ def sql(
     """Run SQL against the published file (read-only) and print a table."""
     from lowtide.settings import Settings
 
-    _sql(query, db or Settings().db)
+    render.published_query(query, db or Settings().db)
 
 
 STATUS_FIELDS = (
@@ -427,7 +280,7 @@ def status(
     import orjson
 
     from lowtide.settings import Settings
-    from lowtide.store.state import Store
+    from lowtide.store import Store
 
     settings = Settings()
     if not settings.state.is_file():
@@ -436,65 +289,13 @@ def status(
             return
         raise _fail(f"{settings.state}: no state file yet; run a job first")
     store = Store(settings.state, settings.lock_timeout_s)
-    runs = store.list_runs(run_id)
-    if run_id and runs.is_empty():
-        raise _fail(f"no run {run_id!r} in {settings.state}")
-    records = [{k: r.get(k) for k in STATUS_FIELDS} for r in runs.iter_rows(named=True)]
-    batches = store.query(
-        "SELECT run_id, batch_id, status, provider_batch_id, n_requests, request_counts FROM batches "
-        + ("WHERE run_id = ? " if run_id else "")
-        + "ORDER BY run_id, shard, attempt",
-        [run_id] if run_id else [],
-    )
-    metrics = store.query(
-        "SELECT run_id, name, value FROM metrics "
-        + ("WHERE run_id = ? " if run_id else "")
-        + "ORDER BY run_id, name",
-        [run_id] if run_id else [],
-    )
-    for rec in records:
-        rec["batches"] = [b for b in batches.iter_rows(named=True) if b["run_id"] == rec["run_id"]]
-        rec["metrics"] = {
-            m["name"]: m["value"]
-            for m in metrics.iter_rows(named=True)
-            if m["run_id"] == rec["run_id"]
-        }
+    if run_id:
+        store.require_run(run_id)
+    records = store.status_records(run_id, STATUS_FIELDS)
     if as_json:
         print(orjson.dumps(records, default=str, option=orjson.OPT_INDENT_2).decode())
         return
-    t = Table("run", "status", "backend", "rows", "ok", "failed", "sent", "cached", "cost $")
-    for r in records:
-        t.add_row(
-            r["run_id"],
-            r["status"],
-            r["backend"],
-            *(
-                str(r.get(k) or 0)
-                for k in ("rows", "succeeded", "failed", "requests_sent", "cache_hits")
-            ),
-            f"{r.get('cost_usd') or 0:.4f}",
-        )
-    console.print(t)
-    if run_id:
-        bt = Table("batch", "status", "provider id", "requests", "counts")
-        for b in records[0]["batches"]:
-            bt.add_row(
-                b["batch_id"],
-                b["status"],
-                b["provider_batch_id"] or "",
-                str(b["n_requests"]),
-                b["request_counts"] or "",
-            )
-        console.print(bt)
-        m = records[0]["metrics"]
-        if records[0].get("gate_note"):
-            console.print(f"held by the eval gate: {records[0]['gate_note']}")
-        if "qa_reviewed_accuracy" in m:
-            console.print(
-                f"QA review: {m['qa_reviewed']:.0f} reviewed, accuracy "
-                f"{m['qa_reviewed_accuracy']:.1%} (95% CI {m['qa_accuracy_ci_low']:.1%} to "
-                f"{m['qa_accuracy_ci_high']:.1%})"
-            )
+    render.status_tables(records, one_run=bool(run_id))
 
 
 @app.command()
@@ -563,13 +364,10 @@ def qa_export(
     """Write the run's QA sample as CSV with empty `verdict` and `correct_value` columns."""
     from lowtide.qa_review import export_sample
     from lowtide.settings import Settings
-    from lowtide.store.state import Store
+    from lowtide.store import Store
 
     settings = Settings()
-    try:
-        n = export_sample(Store(settings.state, settings.lock_timeout_s), run_id, out)
-    except LookupError as e:
-        raise _fail(str(e)) from e
+    n = export_sample(Store(settings.state, settings.lock_timeout_s), run_id, out)
     console.print(
         f"{n} sampled rows written to {out}. Fill `verdict` with correct or incorrect "
         "(and `correct_value` where wrong), then `lowtide qa import`."
@@ -581,15 +379,12 @@ def qa_import(
     file: Annotated[Path, typer.Argument(help="The reviewed CSV from `lowtide qa export`.")],
 ) -> None:
     """Record a reviewer's verdicts; prints the reviewed accuracy with a 95% interval."""
-    from lowtide.qa_review import ReviewFileError, import_verdicts
+    from lowtide.qa_review import import_verdicts
     from lowtide.settings import Settings
-    from lowtide.store.state import Store
+    from lowtide.store import Store
 
     settings = Settings()
-    try:
-        summary = import_verdicts(Store(settings.state, settings.lock_timeout_s), file)
-    except ReviewFileError as e:
-        raise _fail(str(e)) from e
+    summary = import_verdicts(Store(settings.state, settings.lock_timeout_s), file)
     for run_id, v in summary.items():
         console.print(
             f"run {run_id}: {v['qa_reviewed']:.0f} reviewed, accuracy {v['qa_reviewed_accuracy']:.1%} "
@@ -598,21 +393,16 @@ def qa_import(
 
 
 def main() -> None:
-    """The console script: known operational errors become one line on stderr, exit code 2."""
+    """The console script. Lowtide errors are reported by the command group; a DuckDB error
+    reaching here is the state file refusing something unexpected."""
     import duckdb
-
-    from lowtide.lease import RunBusyError
-    from lowtide.store.state import StateLockedError
 
     try:
         app()
-    except (StateLockedError, RunBusyError) as e:
-        err_console.print(f"[bold red]error:[/] {e}")
-        raise SystemExit(2) from e
     except duckdb.Error as e:
         err_console.print(
-            f"[bold red]error:[/] the state file refused an operation: {e}. If it persists, "
-            "report it with the output of `lowtide status --json`."
+            f"[bold red]error:[/] the state file refused an operation: {escape(str(e))}. If it "
+            "persists, report it with the output of `lowtide status --json`."
         )
         raise SystemExit(2) from e
 

@@ -1,14 +1,17 @@
 """Named crash points for deterministic crash tests.
 
-A test arms one by setting LOWTIDE_CRASH_AT=<name> in a subprocess's environment; when the code
-reaches `crash_point(name)` the process kills itself with SIGKILL, exactly there, leaving the
-store as a real crash would. Unarmed, a crash point costs one environment lookup.
+A test arms one by setting LOWTIDE_CRASH_AT=<name> (`Settings.crash_at`) in a subprocess's
+environment; when the code reaches `crash_point(name)` the process kills itself with SIGKILL,
+exactly there, leaving the store as a real crash would. Unarmed, a crash point costs one
+environment lookup.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+
+from lowtide.settings import crash_point_armed
 
 POINTS = (
     "after_manifest",  # requests and pending batches committed, nothing uploaded
@@ -22,5 +25,5 @@ POOL_POINTS = ("during_stream",)  # vllm backend: after a group of answers was c
 
 
 def crash_point(name: str) -> None:
-    if os.environ.get("LOWTIDE_CRASH_AT") == name:
+    if crash_point_armed() == name:
         os.kill(os.getpid(), signal.SIGKILL)

@@ -17,16 +17,10 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-BACKENDS = ("emulator", "openai", "anthropic", "vllm")
+from lowtide.backends import REGISTRY
+from lowtide.errors import JobFileError
+
 _JOB_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
-
-
-class JobFileError(ValueError):
-    """A job file that cannot be used; the message names the file and what to fix."""
-
-    def __init__(self, path: Path | str, message: str):
-        self.path = str(path)
-        super().__init__(f"{path}: {message}")
 
 
 class _Strict(BaseModel):
@@ -232,9 +226,10 @@ def load_job(path: str | Path, backend: str | None = None) -> JobSpec:
     if backend:
         job.model.backend = backend
     job.model.name = job.model.names.get(job.model.backend, job.model.name)
-    if job.model.backend not in BACKENDS:
+    if job.model.backend not in REGISTRY:
         raise JobFileError(
-            path, f"unknown backend {job.model.backend!r}; known: {', '.join(BACKENDS)}"
+            path,
+            f"[model] backend: unknown backend {job.model.backend!r}; known: {', '.join(REGISTRY)}",
         )
     job.output_schema = _read_schema(job, path)
     fields = set(job.prompt.template_fields()) - {"text"}

@@ -10,14 +10,17 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
+from typing import Any
+
+from lowtide.errors import RunBusyError
+
+__all__ = ["LEASE_S", "RunBusyError", "driving", "owner_gone", "process_owner"]
 
 LEASE_S = 900.0
 """How long a claim lasts without renewal; polling and streaming renew it far more often."""
-
-
-class RunBusyError(RuntimeError):
-    """Another live process is driving this run; it will finish it."""
 
 
 @lru_cache(maxsize=1)
@@ -40,3 +43,19 @@ def owner_gone(owner: str | None) -> bool:
     except PermissionError:
         return False
     return False
+
+
+@contextmanager
+def driving(store: Any, run_id: str, lease_s: float = LEASE_S) -> Iterator[None]:
+    """Hold the run's lease for the block; RunBusyError when another live process drives it."""
+    owner = process_owner()
+    holder = store.claim_run(run_id, owner, lease_s)
+    if holder is not None:
+        raise RunBusyError(
+            f"run {run_id} is being driven by another lowtide process ({holder}), e.g. a "
+            "scheduled collect; it will finish the run. `lowtide status` shows its progress."
+        )
+    try:
+        yield
+    finally:
+        store.release_run(run_id, owner)

@@ -47,16 +47,14 @@ from typing import Annotated
 import polars as pl
 import typer
 
+from lowtide.errors import PlanError
+
 GIB = 2**30
 DEFAULT_PRICES = Path(__file__).resolve().parents[1] / "data" / "prices.csv"
 DEFAULT_OVERHEAD_GB = 2.0
 MAX_SEQS_CAP = 1024
 MIN_BATCHED_TOKENS = 8192
 MAX_BATCHED_TOKENS = 65536
-
-
-class PlanError(ValueError):
-    """The inputs cannot give a plan (for instance the weights do not fit); says what to change."""
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,7 @@ from pathlib import Path
 
 import polars as pl
 
-
-class PriceError(ValueError):
-    """No usable price for a model; the message names the table and what to add."""
+from lowtide.errors import PriceError
 
 
 @dataclass(frozen=True)

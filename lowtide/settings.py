@@ -2,30 +2,79 @@
 
 Precedence: CLI flag / flow parameter, then environment (`LOWTIDE_*`), then `.env`, then defaults.
 Job-file settings (what to run) live in `lowtide.jobspec`; this object says where and with what.
+This module and the backends' key helper (`lowtide.backends.keys`) are the only places that read
+the process environment.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="LOWTIDE_", env_file=".env", extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="LOWTIDE_", env_file=".env", extra="ignore", frozen=True
+    )
 
-    state: Path = Path(".lowtide/state.duckdb")
-    """Private state file; only the flow's process writes it."""
-    db: Path = Path("lowtide.duckdb")
-    """Published file for analysts, replaced atomically when a run completes."""
-    work_dir: Path = Path(".lowtide/work")
-    """Per-run intermediate files (parquet, batch JSONL)."""
-    lock_timeout_s: float = 30.0
-    """How long to wait for another lowtide process holding the state file."""
-    poll_max_interval_s: float = 30.0
-    """Upper bound of the polling backoff."""
-    shard_max_requests: int | None = None
-    """Cap on requests per batch below the backend's own limit (useful for tests and small runs)."""
+    state: Path = Field(
+        Path(".lowtide/state.duckdb"),
+        description="Private state file; only the flow's process writes it, in short transactions.",
+    )
+    db: Path = Field(
+        Path("lowtide.duckdb"),
+        description="Published file for analysts, replaced atomically when a run completes.",
+    )
+    work_dir: Path = Field(
+        Path(".lowtide/work"), description="Per-run intermediate files (parquet)."
+    )
+    lock_timeout_s: float = Field(
+        30.0, description="How long to wait for another lowtide process holding the state file."
+    )
+    poll_max_interval_s: float = Field(30.0, description="Upper bound of the polling backoff.")
+    shard_max_requests: int | None = Field(
+        None, description="Cap on requests per batch below the backend's own limit."
+    )
+    emulator_url: str | None = Field(
+        None,
+        description="Use an emulator started with `lowtide emulator` (its base URL) instead of "
+        "an in-process one.",
+    )
+    vllm_urls: str | None = Field(
+        None,
+        description="Comma-separated OpenAI base URLs of the vLLM pool; overrides [pool] urls.",
+    )
+    vllm_api_key: SecretStr | None = Field(
+        None, description="Bearer key for the vLLM pool; overrides [pool] api_key."
+    )
+    crash_at: str | None = Field(
+        None,
+        description="Test only: the named crash point at which the process kills itself "
+        "(lowtide.crashpoints).",
+    )
 
     def with_overrides(self, **kw: object) -> Settings:
         return self.model_copy(update={k: v for k, v in kw.items() if v is not None})
+
+
+def crash_point_armed() -> str | None:
+    """The armed crash point, read fresh (a test arms it in a subprocess's environment)."""
+    return os.environ.get("LOWTIDE_CRASH_AT")
+
+
+def prefect_defaults(home: Path) -> None:
+    """Keep Prefect offline and inside the working directory unless the user chose otherwise.
+    Prefect reads these from the environment when it starts, so they are set there."""
+    os.environ.setdefault("PREFECT_HOME", str(home.resolve()))
+    # Prefect's SQLite cannot create the folder itself ("unable to open database file")
+    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    # The terminal gets lowtide's own one-line errors; full tracebacks still reach the Prefect
+    # UI through its API log handler.
+    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")

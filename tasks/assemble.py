@@ -7,19 +7,31 @@ the backend's request and byte limits.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import orjson
 import polars as pl
 from prefect import task
 
+from lowtide.context import RunContext
+from lowtide.errors import BudgetExceededError
 from lowtide.jobspec import JobSpec
+from lowtide.runlog import stage_log
 from lowtide.tokens import count_tokens
+
+BATCH_ROW_SCHEMA = {
+    "batch_id": pl.String,
+    "shard": pl.Int32,
+    "attempt": pl.Int32,
+    "backend": pl.String,
+    "n_requests": pl.Int32,
+    "n_bytes": pl.Int64,
+}
+"""The columns of a batch row in a write-ahead manifest."""
 
 _SENTINEL = "\x00lowtide-user-message\x00"
 _ESTIMATE_SAMPLE = 2_000
-
-
-class BudgetExceededError(RuntimeError):
-    """The pre-run estimate is above the job's budget; nothing was sent."""
 
 
 def fixed_messages(job: JobSpec) -> list[dict[str, str]]:
@@ -127,7 +139,7 @@ def cut_shards(line_bytes: pl.Series, max_requests: int, max_bytes: int) -> pl.S
     """Shard number per line: contiguous shards within both limits."""
     if line_bytes.is_empty():
         return pl.Series("shard", [], dtype=pl.Int32)
-    widest = int(line_bytes.max() or 0) + 1
+    widest = int(line_bytes.cast(pl.Int64).max() or 0) + 1  # type: ignore[arg-type]
     room = max(max_bytes - widest, widest)
     frame = pl.DataFrame({"b": line_bytes + 1}).with_row_index("i")
     frame = frame.with_columns(
@@ -195,81 +207,101 @@ def plan_batches(
     return reqs.drop("_bytes"), batches, reqs.select("batch_id", "custom_id")
 
 
-@task(name="assemble", task_run_name="assemble-{job.name}")
-def assemble_task(
-    job: JobSpec,
-    deduped: dict,
-    run_id: str,
-    state_path: str,
-    backend: str,
-    max_requests: int,
-    max_bytes: int,
-    price_per_mtok: dict,
-) -> dict:
-    """Plan shards and commit the manifest (requests + pending batches) before any upload."""
-    from lowtide.store.state import Store
+Plan = tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]
 
-    store = Store(state_path)
-    existing = store.run_batches(run_id)
-    if existing.height:  # manifest already written by an earlier attempt of this run
-        return {
-            "batches": existing["batch_id"].to_list(),
-            "urgent": [],
-            "estimate_usd": None,
-            "resumed": True,
-        }
+
+def _urgent_first(requests: pl.DataFrame, plan: Callable[[pl.DataFrame, int], Plan]) -> Plan:
+    """Shards for a backend without a realtime path: the urgent requests get the first shards,
+    so a pool answers them before the rest. `plan(requests, first_shard)` cuts shards."""
+    urgent = requests.filter(pl.col("urgent")).drop("urgent")
+    rest = requests.filter(~pl.col("urgent")).drop("urgent")
+    first = plan(urgent, 0) if urgent.height else None
+    after = first[1]["shard"].cast(pl.Int64).max() if first is not None else None
+    second = plan(rest, int(after) + 1 if isinstance(after, int) else 0) if rest.height else None
+    parts = [p for p in (first, second) if p is not None]
+    return (
+        pl.concat([p[0] for p in parts], how="diagonal_relaxed"),
+        pl.concat([p[1] for p in parts]),
+        pl.concat([p[2] for p in parts]),
+    )
+
+
+def estimate_usd(
+    job: JobSpec, est_input_tokens: int, n_requests: int, n_realtime: int, price: dict
+) -> float:
+    """Batch price of every request, except `n_realtime` of them at the realtime price."""
+    est_out = n_requests * expected_output_tokens(job)
+    discount = price.get("batch_discount", 1.0) or 1.0
+    realtime_share = n_realtime / n_requests if n_requests else 0.0
+    return (
+        (est_input_tokens * price.get("input", 0.0) + est_out * price.get("output", 0.0))
+        / 1e6
+        * (1 - realtime_share + realtime_share / discount)
+    )
+
+
+@task(name="assemble", task_run_name="assemble-{run_id}")
+def assemble_task(ctx: RunContext, run_id: str, deduped: dict) -> dict:
+    """Plan shards and commit the manifest (requests + pending batches) before any upload.
+
+    Urgent rows ([input] priority_column) skip the batch through the backend's realtime path;
+    on a backend without one (a pool) they are the first shards instead. The budget guard
+    refuses the run here, before anything is written or sent."""
+    started = time.perf_counter()
+    job, store = ctx.job, ctx.store
+    if store.has_manifest(run_id):  # written by an earlier attempt of this run
+        return {"estimate_usd": None, "resumed": True}
     requests = pl.read_parquet(deduped["to_send"])
     if requests.is_empty():
-        return {"batches": [], "urgent": [], "estimate_usd": 0.0, "resumed": False}
-    urgent_mask = requests["urgent"] if "urgent" in requests.columns else None
-    reqs, batches, members = plan_batches(
-        job,
-        run_id,
-        requests.drop("urgent", strict=False),
-        backend=backend,
-        max_requests=max_requests,
-        max_bytes=max_bytes,
-    )
-    urgent: list[str] = []
-    if urgent_mask is not None and urgent_mask.any():
-        # urgent requests skip the batch: re-cut the shards without them
-        urgent = requests.filter(urgent_mask)["custom_id"].to_list()
-        _, batches, members = plan_batches(
+        return {"estimate_usd": 0.0, "resumed": False, "batches": 0}
+
+    def plan(frame: pl.DataFrame, first_shard: int = 0) -> Plan:
+        return plan_batches(
             job,
             run_id,
-            requests.filter(~urgent_mask).drop("urgent"),
-            backend=backend,
-            max_requests=max_requests,
-            max_bytes=max_bytes,
+            frame,
+            backend=ctx.backend,
+            max_requests=ctx.max_requests,
+            max_bytes=ctx.capabilities.max_bytes,
+            first_shard=first_shard,
         )
+
+    urgent = requests.filter(pl.col("urgent"))["custom_id"]
+    reqs, batches, members = plan(requests.drop("urgent"))
+    if urgent.len() and ctx.entry.has_realtime:
+        # urgent requests skip the batch: re-cut the shards without them
+        _, batches, members = plan(requests.filter(~pl.col("urgent")).drop("urgent"))
+    elif urgent.len():
+        reqs, batches, members = _urgent_first(requests, plan)
     est_in = int(reqs["est_input_tokens"].sum())
-    est_out = requests.height * expected_output_tokens(job)
-    discount = price_per_mtok.get("batch_discount", 1.0) or 1.0
-    urgent_share = len(urgent) / requests.height
-    estimate = (
-        (est_in * price_per_mtok.get("input", 0.0) + est_out * price_per_mtok.get("output", 0.0))
-        / 1e6
-        * (1 - urgent_share + urgent_share / discount)
-    )
+    by_realtime = urgent.len() if ctx.entry.has_realtime else 0
+    estimate = estimate_usd(job, est_in, requests.height, by_realtime, ctx.price.per_mtok())
     if job.cost.budget_usd is not None and estimate > job.cost.budget_usd:
         raise BudgetExceededError(
             f"job {job.name!r}: estimated cost ${estimate:.2f} for {requests.height} requests "
             f"exceeds the budget ${job.cost.budget_usd:.2f} ([cost] budget_usd); nothing was sent"
         )
-    if urgent:
+    if by_realtime:
         # the urgent requests' realtime batch is part of the same write-ahead manifest
         from tasks.realtime import realtime_batch_rows
 
-        rt_batch, rt_members = realtime_batch_rows(
-            f"{run_id}-rt-priority", pl.Series("custom_id", urgent, dtype=pl.String), 0
-        )
+        rt_batch, rt_members = realtime_batch_rows(f"{run_id}-rt-priority", urgent, 0)
         batches = pl.concat([batches, rt_batch], how="diagonal_relaxed")
         members = pl.concat([members, rt_members])
     store.save_template(template_id(job), *line_template(job))
     store.write_manifest(run_id, reqs, batches, members)
+    stage_log(
+        "assemble",
+        "%d requests in %d batches (%d urgent), estimate $%.4f, in %.1f s",
+        requests.height,
+        batches.height,
+        urgent.len(),
+        estimate,
+        time.perf_counter() - started,
+    )
     return {
-        "batches": batches["batch_id"].to_list(),
-        "urgent": urgent,
+        "batches": batches.height,
+        "urgent": urgent.len(),
         "estimate_usd": estimate,
         "est_input_tokens": est_in,
         "resumed": False,

@@ -7,13 +7,14 @@ so the chunks of a row (without overlap) concatenate to the row's exact text.
 
 from __future__ import annotations
 
+import time
 from itertools import accumulate
-from pathlib import Path
 
 import polars as pl
 from prefect import task
 
-from lowtide.jobspec import JobSpec
+from lowtide.context import RunContext
+from lowtide.runlog import stage_log
 from lowtide.tokens import count_tokens, encode, get_encoding
 
 # Re-encoding a cut piece can merge differently at its edges; keep a little headroom.
@@ -124,8 +125,11 @@ def chunk_units(
     )
 
 
-@task(name="chunk", task_run_name="chunk-{job.name}")
-def chunk_task(job: JobSpec, loaded: dict, work_dir: str) -> dict:
+@task(name="chunk", task_run_name="chunk-{run_id}")
+def chunk_task(ctx: RunContext, run_id: str, loaded: dict) -> dict:
+    """Rows and eval rows → units, written to the run's work dir."""
+    started = time.perf_counter()
+    job = ctx.job
     c = job.chunk
     parts = [
         chunk_units(
@@ -151,6 +155,15 @@ def chunk_task(job: JobSpec, loaded: dict, work_dir: str) -> dict:
             )
         )
     units = pl.concat(parts, how="diagonal_relaxed")
-    path = Path(work_dir) / "units.parquet"
+    path = ctx.work_dir(run_id) / "units.parquet"
     units.write_parquet(path)
-    return {"units": str(path), "n_units": units.filter(pl.col("kind") == "row").height}
+    n_units = units.filter(pl.col("kind") == "row").height
+    stage_log(
+        "chunk",
+        "%d rows → %d units (budget %d tokens) in %.1f s",
+        loaded["rows"],
+        n_units,
+        c.max_tokens,
+        time.perf_counter() - started,
+    )
+    return {"units": str(path), "n_units": n_units}

@@ -8,14 +8,14 @@ earlier run already answered are cache hits; keys sitting in a live batch are at
 from __future__ import annotations
 
 import string
-from pathlib import Path
+import time
 
-import duckdb
 import polars as pl
 from prefect import task
 
-from lowtide.jobspec import JobSpec
-from lowtide.store.state import Store
+from lowtide.context import RunContext
+from lowtide.runlog import stage_log
+from lowtide.store.compute import sha256_hex
 from tasks.load import PRIORITY
 
 CUSTOM_ID_VERSION = "lt1"
@@ -48,15 +48,10 @@ def request_keys(units: pl.DataFrame, template: str, fingerprint: str) -> pl.Dat
     framed = units.with_columns(render_user(units, template).alias("user")).with_columns(
         (pl.lit(fingerprint + "\x1f") + normalise(pl.col("user"))).alias("_material")
     )
-    con = duckdb.connect()
-    try:
-        con.register("framed", framed.select("_material"))
-        keys = con.sql("SELECT sha256(_material) AS k FROM framed").to_arrow_table().column("k")
-    finally:
-        con.close()
+    keys = sha256_hex(framed["_material"])
     return (
         framed.drop("_material")
-        .with_columns(pl.Series("request_key", keys).cast(pl.String))
+        .with_columns(keys.alias("request_key"))
         .with_columns(
             (pl.lit(CUSTOM_ID_VERSION + "_") + pl.col("request_key").str.slice(0, 48)).alias(
                 "custom_id"
@@ -81,8 +76,11 @@ def unique_requests(keyed: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-@task(name="dedupe", task_run_name="dedupe-{job.name}")
-def dedupe_task(job: JobSpec, chunked: dict, work_dir: str, state_path: str, run_id: str) -> dict:
+@task(name="dedupe", task_run_name="dedupe-{run_id}")
+def dedupe_task(ctx: RunContext, run_id: str, chunked: dict) -> dict:
+    """Units → unique requests; saves the run's units and writes what is left to send."""
+    started = time.perf_counter()
+    job = ctx.job
     units = pl.read_parquet(chunked["units"])
     fingerprint = job.prompt_fingerprint()
     rows = units.filter(pl.col("kind") == "row")
@@ -105,7 +103,7 @@ def dedupe_task(job: JobSpec, chunked: dict, work_dir: str, state_path: str, run
         .alias("custom_id")
     )
     uniq = unique_requests(keyed)
-    store = Store(state_path)
+    store = ctx.store
     known = store.known_outcomes(uniq["custom_id"])
     uniq = uniq.join(known, on="custom_id", how="left")
     cached = uniq.filter(pl.col("answered"))
@@ -114,9 +112,18 @@ def dedupe_task(job: JobSpec, chunked: dict, work_dir: str, state_path: str, run
         pl.col("custom_id").is_in(cached["custom_id"].implode()).alias("cache_hit")
     )
     store.save_units(run_id, keyed)
-    path = Path(work_dir) / "to_send.parquet"
+    path = ctx.work_dir(run_id) / "to_send.parquet"
     to_send.select("custom_id", "request_key", "user", "unit_tokens", "urgent").write_parquet(path)
     row_units = keyed.filter(pl.col("kind") == "row")
+    stage_log(
+        "dedupe",
+        "%d units → %d unique requests, %d answered by earlier runs, %d to send, in %.1f s",
+        keyed.height,
+        uniq.height,
+        cached.height,
+        to_send.height,
+        time.perf_counter() - started,
+    )
     return {
         "to_send": str(path),
         "unique_requests": uniq.height,

@@ -6,11 +6,14 @@ with the first failing unit's reason, so `rows = succeeded + failed` holds by co
 
 from __future__ import annotations
 
+from typing import Any
+
 import polars as pl
 from prefect import task
 
-from lowtide.store.publish import publish
-from lowtide.store.state import ANSWERED, Store
+from lowtide.context import RunContext
+from lowtide.runlog import stage_log
+from lowtide.vocabulary import ANSWERED
 
 
 def row_outcomes(outcomes: pl.DataFrame) -> pl.DataFrame:
@@ -40,8 +43,9 @@ def row_outcomes(outcomes: pl.DataFrame) -> pl.DataFrame:
 
 
 @task(name="finalize", task_run_name="finalize-{run_id}")
-def finalize_task(run_id: str, state_path: str) -> dict:
-    store = Store(state_path)
+def finalize_task(ctx: RunContext, run_id: str) -> dict:
+    """One outcome per input row: the run's failures with reasons, and its counts."""
+    store = ctx.store
     per_row = row_outcomes(store.run_unit_outcomes(run_id))
     failures = per_row.filter(~pl.col("succeeded")).select(
         "source_id", "kind", "unit_id", "reason", "detail"
@@ -49,27 +53,25 @@ def finalize_task(run_id: str, state_path: str) -> dict:
     store.replace_rows("failures", run_id, failures)
     rows = per_row.filter(pl.col("kind") == "row")
     succeeded = int(rows["succeeded"].sum())
-    counts = {"rows": rows.height, "succeeded": succeeded, "failed": rows.height - succeeded}
+    counts: dict[str, Any] = {
+        "rows": rows.height,
+        "succeeded": succeeded,
+        "failed": rows.height - succeeded,
+    }
     reasons = failures.filter(pl.col("kind") == "row")["reason"].value_counts()
     counts["failures_by_reason"] = dict(
         zip(reasons["reason"].to_list(), reasons["count"].to_list(), strict=True)
+    )
+    stage_log(
+        "finalize", "%d rows: %d succeeded, %d failed", rows.height, succeeded, counts["failed"]
     )
     return counts
 
 
 @task(name="publish", task_run_name="publish-{run_id}")
-def publish_task(
-    run_id: str, state_path: str, db_path: str, views: list[dict], mark: bool = True
-) -> str:
-    """Rebuild the analysts' file atomically; with `mark`, the run becomes the one job views show
-    (a run held by the eval gate is rebuilt into the tables but not shown in the view)."""
-    store = Store(state_path)
-    if mark:
-        store.update_run(run_id, published_at=_now())
-    return str(publish(store, db_path, views))
-
-
-def _now():
-    from datetime import UTC, datetime
-
-    return datetime.now(UTC).replace(tzinfo=None)
+def publish_task(ctx: RunContext, run_id: str) -> str:
+    """Rebuild the analysts' file atomically. The job view shows each job's latest published
+    run, so a held or cancelled run is in the tables but not in its view."""
+    path = ctx.store.publish(ctx.db_path)
+    stage_log("publish", "%s written for run %s", path, run_id)
+    return str(path)

@@ -6,17 +6,16 @@ Requests the provider never answered for (a batch that failed validation, a lost
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import orjson
 import polars as pl
 from prefect import task
 
-from lowtide.backends import make_backend
 from lowtide.backends.base import RESULT_SCHEMA, BatchState, BatchStatus, RequestStatus
+from lowtide.context import RunContext
 from lowtide.crashpoints import crash_point
-from lowtide.store.state import Store
-from tasks.submit import _transient
+from lowtide.runlog import stage_log
+from lowtide.vocabulary import REALTIME_BACKEND
+from tasks.submit import retry_transient
 
 
 def join_results(
@@ -46,7 +45,7 @@ def _missing_reason(batch: dict) -> str:
             + str(e.get("message"))
             for e in errors[:3]
         )
-        if batch["backend"] == "realtime" or batch["status"] == BatchStatus.CANCELLED.value:
+        if batch["backend"] == REALTIME_BACKEND or batch["status"] == BatchStatus.CANCELLED.value:
             return shown
         return f"batch failed validation at the provider: {shown}"
     return f"no result returned by the provider for batch {batch['provider_batch_id']}"
@@ -57,33 +56,34 @@ def _missing_reason(batch: dict) -> str:
     task_run_name="join-{batch_id}",
     retries=3,
     retry_delay_seconds=[2, 4, 8],
-    retry_condition_fn=_transient,
+    retry_condition_fn=retry_transient,
 )
-def join_task(
-    batch_id: str, state_path: str, backend_name: str, emulator_url: str | None, work_dir: str
-) -> dict:
+def join_task(ctx: RunContext, batch_id: str) -> dict:
     """Download an ended batch's results and write them, joined, to a parquet file."""
-    store = Store(state_path)
-    batch = store.query("SELECT * FROM batches WHERE batch_id = ?", [batch_id]).row(0, named=True)
-    backend = make_backend(backend_name, emulator_url=emulator_url)
-    returned = pl.DataFrame(schema=RESULT_SCHEMA)
-    if batch["output_file_id"] or batch["error_file_id"]:
-        state = BatchState(
-            status=BatchStatus(batch["status"]),
-            provider_status=batch["provider_status"] or "",
-            output_file_id=batch["output_file_id"],
-            error_file_id=batch["error_file_id"],
-            provider_batch_id=batch["provider_batch_id"],
-        )
-        returned = backend.results(state)
+    store = ctx.store
+    batch = store.batch(batch_id)
+    state = BatchState(
+        status=BatchStatus(batch["status"]),
+        provider_status=batch["provider_status"] or "",
+        output_file_id=batch["output_file_id"],
+        error_file_id=batch["error_file_id"],
+        result_ref=batch["result_ref"],
+        provider_batch_id=batch["provider_batch_id"],
+    )
+    returned = ctx.batch_client().results(state) if state.has_results else None
+    if returned is None:
+        returned = pl.DataFrame(schema=RESULT_SCHEMA)
     crash_point("during_download")
     joined = join_results(store.batch_members(batch_id), returned, _missing_reason(batch))
-    path = Path(work_dir) / f"results-{batch_id}.parquet"
+    path = ctx.work_dir(batch["run_id"]) / f"results-{batch_id}.parquet"
     joined.write_parquet(path)
     counts = joined["status"].value_counts()
+    answered = int((joined["status"] == RequestStatus.ANSWERED.value).sum())
+    stage_log("join", "%s: %d of %d requests answered", batch_id, answered, joined.height)
     return {
         "batch_id": batch_id,
+        "run_id": batch["run_id"],
         "results": str(path),
         "counts": dict(zip(counts["status"].to_list(), counts["count"].to_list(), strict=True)),
-        "answered": int((joined["status"] == RequestStatus.ANSWERED.value).sum()),
+        "answered": answered,
     }

@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import hashlib
+import time
 from pathlib import Path
 
-import duckdb
 import polars as pl
 from prefect import task
 
+from lowtide.context import RunContext
+from lowtide.errors import InputError
 from lowtide.jobspec import JobSpec
+from lowtide.runlog import stage_log
+from lowtide.store.compute import read_duckdb_table
+from lowtide.store.publish import source_table
+
+EVAL_FILE = "eval.parquet"
+"""The eval set as loaded, in the run's work dir; qa reads it back instead of the source file."""
 
 PRIORITY = "_priority"
 """Column carrying a row's urgency through chunking and dedupe (from [input] priority_column)."""
-
-
-class InputError(ValueError):
-    """Input that cannot be used; the message names the file, the column or row, and the fix."""
 
 
 def read_table(path: str, database: str | None = None) -> pl.DataFrame:
@@ -25,19 +29,7 @@ def read_table(path: str, database: str | None = None) -> pl.DataFrame:
         table = path.removeprefix("duckdb:")
         if not database:
             raise InputError(f"{path}: set [input] database to the DuckDB file holding {table}")
-        if not Path(database).is_file():
-            raise InputError(f"{database}: DuckDB file not found")
-        try:
-            con = duckdb.connect(database, read_only=True)
-        except duckdb.Error as e:
-            raise InputError(f"{database}: cannot open DuckDB file: {e}") from e
-        try:
-            quoted = '"' + table.replace('"', '""') + '"'
-            return pl.from_arrow(con.sql(f"SELECT * FROM {quoted}").to_arrow_table())
-        except duckdb.CatalogException as e:
-            raise InputError(f"{database}: no table {table!r}") from e
-        finally:
-            con.close()
+        return read_duckdb_table(database, table, path)
     p = Path(path)
     if not p.is_file():
         raise InputError(f"{path}: input file not found")
@@ -152,16 +144,30 @@ def load_eval_set(job: JobSpec) -> pl.DataFrame | None:
     return out
 
 
-@task(name="load", task_run_name="load-{job.name}")
-def load_task(job: JobSpec, work_dir: str) -> dict:
-    """Read the input and the eval set into parquet files under the run's work dir."""
+@task(name="load", task_run_name="load-{run_id}")
+def load_task(ctx: RunContext, run_id: str) -> dict:
+    """Read the input and the eval set; keep the input rows in the store (for the job view) and
+    both as parquet files under the run's work dir for the next stages."""
+    started = time.perf_counter()
+    job = ctx.job
     rows = load_input(job)
-    Path(work_dir).mkdir(parents=True, exist_ok=True)
-    rows.write_parquet(Path(work_dir) / "sources.parquet")
-    out = {"sources": str(Path(work_dir) / "sources.parquet"), "rows": rows.height, "eval": None}
+    work_dir = ctx.work_dir(run_id)
+    rows.write_parquet(work_dir / "sources.parquet")
+    ctx.store.save_sources(
+        source_table(job.view_name), run_id, rows.rename({"text": job.input.text_column})
+    )
+    out: dict = {"sources": str(work_dir / "sources.parquet"), "rows": rows.height, "eval": None}
     evals = load_eval_set(job)
     if evals is not None:
-        evals.write_parquet(Path(work_dir) / "eval.parquet")
-        out["eval"] = str(Path(work_dir) / "eval.parquet")
+        evals.write_parquet(work_dir / EVAL_FILE)
+        out["eval"] = str(work_dir / EVAL_FILE)
         out["eval_rows"] = evals.height
+    stage_log(
+        "load",
+        "%d rows and %s eval rows from %s in %.1f s",
+        rows.height,
+        out.get("eval_rows", 0),
+        job.input.path,
+        time.perf_counter() - started,
+    )
     return out

@@ -15,15 +15,18 @@ import orjson
 import polars as pl
 from prefect import task
 
-from lowtide.store.state import Store
+from lowtide.context import RunContext
+from lowtide.runlog import stage_log
+from lowtide.store import Store
+from lowtide.vocabulary import Outcome, RequestStatus
 
 Validator = Any  # jsonschema_rs validators share no importable base class
 
 _PROVIDER_OUTCOME = {
-    "provider_error": "provider_error",
-    "expired": "expired",
-    "cancelled": "cancelled",
-    "missing": "missing",
+    RequestStatus.PROVIDER_ERROR.value: Outcome.PROVIDER_ERROR.value,
+    RequestStatus.EXPIRED.value: Outcome.EXPIRED.value,
+    RequestStatus.CANCELLED.value: Outcome.CANCELLED.value,
+    RequestStatus.MISSING.value: Outcome.MISSING.value,
 }
 
 
@@ -121,10 +124,11 @@ def store_parsed(
 
 
 @task(name="parse", task_run_name="parse-{batch_id}")
-def parse_task(joined: dict, batch_id: str, schema: dict, state_path: str, run_id: str) -> dict:
+def parse_task(ctx: RunContext, batch_id: str, joined: dict) -> dict:
     """Validate a batch's answers and store them (upsert by custom_id); mark the batch collected."""
-    store = Store(state_path)
-    parsed = parse_results(pl.read_parquet(joined["results"]), schema)
-    counts = store_parsed(store, parsed, batch_id=batch_id, run_id=run_id)
-    store.update_batch(batch_id, collected=True)
+    store = ctx.store
+    parsed = parse_results(pl.read_parquet(joined["results"]), ctx.job.output_schema)
+    counts = store_parsed(store, parsed, batch_id=batch_id, run_id=joined["run_id"])
+    store.mark_collected(batch_id)
+    stage_log("parse", "%s: %s", batch_id, counts)
     return counts

@@ -8,22 +8,24 @@ from __future__ import annotations
 
 import time
 
-import orjson
 from prefect import task
 
 from lowtide import progress
-from lowtide.backends import make_backend
 from lowtide.backends.base import Backend, BatchStatus
+from lowtide.context import RunContext
 from lowtide.crashpoints import crash_point
 from lowtide.lease import LEASE_S, process_owner
-from lowtide.store.state import Store
-from tasks.submit import _transient
+from lowtide.runlog import stage_log
+from lowtide.store import Store
+from lowtide.vocabulary import REALTIME_BACKEND
+from tasks.submit import retry_transient
 
 INTERRUPTED = "realtime calls were interrupted before their answers were stored"
 
 
-def poll_once(store: Store, backend: Backend, run_id: str) -> tuple[int, int]:
-    """Refresh every live batch of the run once; returns (terminal, total) batch counts."""
+def poll_once(store: Store, backend: Backend | None, run_id: str) -> tuple[int, int]:
+    """Refresh every live batch of the run once; returns (terminal, total) batch counts.
+    `backend` is None for a backend without provider batches (nothing to ask)."""
     batches = store.open_batches(run_id)
     terminal = 0
     done_requests = 0
@@ -34,47 +36,26 @@ def poll_once(store: Store, backend: Backend, run_id: str) -> tuple[int, int]:
             terminal += 1
             done_requests += b["n_requests"]
             continue
-        if b["backend"] == "realtime":
+        if b["backend"] == REALTIME_BACKEND:
             # realtime calls run inside a task, never across a poll: one found in progress was
-            # interrupted (its answers are lost), one still pending is sent by submit_pending
+            # interrupted (its answers are lost), one still pending is sent by the next round
             if b["status"] == BatchStatus.IN_PROGRESS.value:
-                store.update_batch(
-                    b["batch_id"],
-                    status=BatchStatus.FAILED.value,
-                    errors=orjson.dumps([{"code": "interrupted", "message": INTERRUPTED}]).decode(),
-                )
+                store.fail_batch(b["batch_id"], "interrupted", INTERRUPTED)
                 terminal += 1
             continue
-        if not b["provider_batch_id"]:
+        if not b["provider_batch_id"] or backend is None:
             continue
         state = backend.poll(b["provider_batch_id"])
-        store.update_batch(
-            b["batch_id"],
-            status=state.status.value,
-            provider_status=state.provider_status,
-            output_file_id=state.output_file_id,
-            error_file_id=state.error_file_id,
-            request_counts=orjson.dumps(state.counts).decode(),
-            errors=orjson.dumps(state.errors).decode() if state.errors else None,
-            usage=orjson.dumps(state.usage).decode() if state.usage else None,
-        )
+        store.record_poll(b["batch_id"], state)
         if state.status.terminal:
             terminal += 1
             done_requests += b["n_requests"]
         else:
-            done_requests += _finished(state.counts, b["n_requests"])
+            done_requests += min(state.done or 0, b["n_requests"])
     progress.report(
         "batches", done_requests, total_requests, f"{terminal}/{batches.height} batches ended"
     )
     return terminal, batches.height
-
-
-def _finished(counts: dict[str, int], n_requests: int) -> int:
-    """Requests finished so far: OpenAI counts completed/failed as they go; Anthropic only
-    moves `processing` until the batch ends."""
-    if "processing" in counts:
-        return max(0, n_requests - int(counts["processing"]))
-    return int(counts.get("completed", 0)) + int(counts.get("failed", 0))
 
 
 @task(
@@ -82,27 +63,29 @@ def _finished(counts: dict[str, int], n_requests: int) -> int:
     task_run_name="poll-{run_id}",
     retries=3,
     retry_delay_seconds=[2, 4, 8],
-    retry_condition_fn=_transient,
+    retry_condition_fn=retry_transient,
 )
-def poll_task(
-    run_id: str,
-    state_path: str,
-    backend_name: str,
-    emulator_url: str | None,
-    wait: bool = True,
-    max_interval_s: float = 30.0,
-) -> bool:
+def poll_task(ctx: RunContext, run_id: str, wait: bool = True) -> bool:
     """Poll until every batch of the run ended (wait=True) or once; True when all ended."""
-    store = Store(state_path)
-    backend = make_backend(backend_name, emulator_url=emulator_url)
+    store = ctx.store
+    backend = ctx.batch_client() if ctx.entry.mode == "batch" else None
     interval = 0.2
+    started = time.perf_counter()
+    polls = 0
     while True:
         store.claim_run(run_id, process_owner(), LEASE_S)  # still driving: renew the lease
         terminal, total = poll_once(store, backend, run_id)
-        if terminal == total:
-            return True
-        if not wait:
-            return False
+        polls += 1
+        if terminal == total or not wait:
+            stage_log(
+                "poll",
+                "%d of %d batches ended after %d poll(s), %.1f s",
+                terminal,
+                total,
+                polls,
+                time.perf_counter() - started,
+            )
+            return terminal == total
         crash_point("during_poll")
         time.sleep(interval)
-        interval = min(interval * 1.5, max_interval_s)
+        interval = min(interval * 1.5, ctx.poll_max_interval_s)

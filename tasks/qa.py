@@ -7,28 +7,22 @@ the rows and compared field by field with the gold labels.
 
 from __future__ import annotations
 
-import duckdb
+from pathlib import Path
+
 import orjson
 import polars as pl
 from prefect import task
 
-from lowtide.jobspec import JobSpec
-from lowtide.store.state import ANSWERED, Store
+from lowtide.context import RunContext
+from lowtide.runlog import stage_log
+from lowtide.store.compute import md5_fraction
+from lowtide.vocabulary import ANSWERED
+from tasks.load import EVAL_FILE, load_eval_set
 
 
 def sample_order(unit_ids: pl.Series, seed: int) -> pl.Series:
     """A stable pseudo-random rank key per unit: md5(seed:unit_id) as a fraction in [0, 1)."""
-    con = duckdb.connect()
-    try:
-        con.register("u", pl.DataFrame({"unit_id": unit_ids}, schema={"unit_id": pl.String}))
-        keys = con.sql(
-            "SELECT ('0x' || substr(md5(?::VARCHAR || ':' || unit_id), 1, 8))::BIGINT "
-            "/ 4294967296.0 AS k FROM u",
-            params=[str(seed)],
-        ).to_arrow_table()
-    finally:
-        con.close()
-    return pl.Series("k", keys.column("k").to_pylist(), dtype=pl.Float64)
+    return md5_fraction(unit_ids, seed)
 
 
 def qa_sample(
@@ -61,7 +55,7 @@ def eval_scores(
     evals = outcomes.filter(pl.col("kind") == "eval").select("source_id", "outcome", "output")
     joined = gold.join(evals, on="source_id", how="left")
     n = joined.height
-    valid = joined["outcome"].is_in(ANSWERED).fill_null(False)
+    valid_rate = joined["outcome"].is_in(ANSWERED).fill_null(False).cast(pl.Float64).mean()
     parsed = [orjson.loads(o) if o else {} for o in joined["output"].to_list()]
     rows = []
     for field in fields:
@@ -75,8 +69,8 @@ def eval_scores(
                 "n": n,
                 "correct": correct,
                 "accuracy": correct / n if n else None,
-                "schema_valid_rate": float(valid.mean()) if n else None,
-            }  # type: ignore[arg-type]
+                "schema_valid_rate": valid_rate if n else None,
+            }
         )
     return pl.DataFrame(
         rows,
@@ -114,16 +108,26 @@ def eval_gate(
     return reasons
 
 
+def _gold(ctx: RunContext, run_id: str) -> pl.DataFrame | None:
+    """The eval set as load read it (kept in the work dir), or read again if the work dir is
+    gone (a run finished by `collect` on another machine)."""
+    kept = Path(ctx.work_root) / run_id / EVAL_FILE
+    if kept.is_file():
+        return pl.read_parquet(kept)
+    return load_eval_set(ctx.job)
+
+
 @task(name="qa", task_run_name="qa-{run_id}")
-def qa_task(job: JobSpec, run_id: str, state_path: str, eval_path: str | None) -> dict:
-    store = Store(state_path)
+def qa_task(ctx: RunContext, run_id: str) -> dict:
+    """The review sample and the eval scores; `hold` lists the eval gate's reasons to hold."""
+    job, store = ctx.job, ctx.store
     outcomes = store.run_unit_outcomes(run_id)
     enums = list(job.enum_fields())
     sample = qa_sample(outcomes, job.qa.sample_rate, job.qa.seed, enums[0] if enums else None)
     store.replace_rows("qa_samples", run_id, sample)
     result: dict = {"qa_samples": sample.height, "eval_accuracy": None, "hold": []}
-    if eval_path:
-        gold = pl.read_parquet(eval_path)
+    gold = _gold(ctx, run_id) if job.qa.eval_set else None
+    if gold is not None:
         fields = [f for f in job.output_schema.get("properties", {}) if f in gold.columns]
         scores = eval_scores(outcomes, gold, fields, job.name)
         store.replace_rows("eval_scores", run_id, scores)
@@ -132,16 +136,18 @@ def qa_task(job: JobSpec, run_id: str, state_path: str, eval_path: str | None) -
             result["eval_by_field"] = dict(
                 zip(scores["field"].to_list(), scores["accuracy"].to_list(), strict=True)
             )
-            previous = store.query(
-                "SELECT field, accuracy FROM eval_scores WHERE run_id = (SELECT run_id FROM runs "
-                "WHERE job = ? AND published_at IS NOT NULL AND run_id <> ? "
-                "ORDER BY published_at DESC LIMIT 1)",
-                [job.name, run_id],
-            )
+            previous = store.previous_eval_scores(job.name, run_id)
             result["hold"] = eval_gate(
                 scores,
                 previous if previous.height else None,
                 job.qa.eval_max_drop,
                 job.qa.eval_floor,
             )
+    stage_log(
+        "qa",
+        "%d units sampled for review, eval accuracy %s%s",
+        sample.height,
+        "n/a" if result["eval_accuracy"] is None else f"{result['eval_accuracy']:.1%}",
+        f"; held: {'; '.join(result['hold'])}" if result["hold"] else "",
+    )
     return result

@@ -13,22 +13,11 @@ import secrets
 import polars as pl
 from prefect import task
 
-from lowtide.backends.base import BatchStatus
-from lowtide.store.state import Store
+from lowtide.context import RunContext
+from lowtide.runlog import stage_log
+from lowtide.store import Store
+from lowtide.vocabulary import REALTIME_BACKEND, Channel
 from tasks.parse import parse_results, store_parsed
-
-
-def realtime_client(backend_name: str, emulator_url: str | None):
-    """(provider, SDK client) for the realtime path of a backend."""
-    from lowtide.backends import realtime
-
-    if backend_name == "emulator":
-        return "openai", realtime.openai_client_for_base_url(f"{emulator_url}/v1")
-    if backend_name == "anthropic":
-        return "anthropic", realtime.anthropic_client_from_env()
-    if backend_name == "openai":
-        return "openai", realtime.openai_client_from_env()
-    raise ValueError(f"backend {backend_name!r} has no realtime path")
 
 
 def realtime_batch_rows(
@@ -40,7 +29,7 @@ def realtime_batch_rows(
             "batch_id": [batch_id],
             "shard": [-1],
             "attempt": [0],
-            "backend": ["realtime"],
+            "backend": [REALTIME_BACKEND],
             "n_requests": [custom_ids.len()],
             "n_bytes": [n_bytes],
         },
@@ -73,15 +62,7 @@ def plan_realtime(store: Store, run_id: str, custom_ids: list[str], reason: str)
 
 
 @task(name="realtime", task_run_name="realtime-{batch_id}")
-def realtime_task(
-    batch_id: str,
-    run_id: str,
-    state_path: str,
-    backend_name: str,
-    emulator_url: str | None,
-    schema: dict,
-    concurrency: int,
-) -> dict:
+def realtime_task(ctx: RunContext, batch_id: str, run_id: str) -> dict:
     """Send a pending realtime batch's requests as synchronous calls and store the answers.
 
     The batch is marked in_progress before the first call: if the process dies during the calls,
@@ -89,17 +70,26 @@ def realtime_task(
     """
     from lowtide.backends.realtime import run_realtime
 
-    store = Store(state_path)
-    provider, client = realtime_client(backend_name, emulator_url)
+    store = ctx.store
+    client = ctx.realtime_client()
     lines = store.request_lines(store.batch_members(batch_id)["custom_id"].to_list())
-    store.update_batch(batch_id, status=BatchStatus.IN_PROGRESS.value)
+    store.start_batch(batch_id)
     returned = run_realtime(
-        lines["line"].to_list(), provider=provider, client=client, concurrency=concurrency
+        lines["line"].to_list(),
+        provider=ctx.entry.realtime_protocol(),
+        client=client,
+        concurrency=ctx.job.retry.realtime_concurrency,
+        structured_output=ctx.capabilities.structured_output,
     )
     counts = store_parsed(
-        store, parse_results(returned, schema), batch_id=batch_id, run_id=run_id, channel="realtime"
+        store,
+        parse_results(returned, ctx.job.output_schema),
+        batch_id=batch_id,
+        run_id=run_id,
+        channel=Channel.REALTIME.value,
     )
-    store.update_batch(batch_id, status=BatchStatus.COMPLETED.value, collected=True)
+    store.complete_batch(batch_id)
+    stage_log("realtime", "%s: %d requests, %s", batch_id, lines.height, counts)
     return counts
 
 

@@ -11,13 +11,16 @@ beside lowtide's own sum and any difference is a metric.
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import Any
 
 import orjson
 import polars as pl
 from prefect import task
 
+from lowtide.context import RunContext
 from lowtide.pricing import Price
-from lowtide.store.state import ANSWERED, Store
+from lowtide.runlog import stage_log
+from lowtide.vocabulary import ANSWERED, REALTIME_BACKEND, Channel
 
 _TOKENS = ("input_tokens", "cached_tokens", "output_tokens")
 
@@ -30,17 +33,20 @@ def request_costs(results: pl.DataFrame, price: Price) -> pl.DataFrame:
         + tok["cached_tokens"] * price.cached_input
         + tok["output_tokens"] * price.output
     ) / 1e6
-    channel = pl.col("channel").fill_null("batch")
+    channel = pl.col("channel").fill_null(Channel.BATCH.value)
     # a pool's requests were priced by GPU time when they ran (tasks/stream.py)
     pooled = pl.col("cost_usd").fill_null(0.0) if "cost_usd" in results.columns else pl.lit(0.0)
     return results.with_columns(
-        pl.when(channel == "pool")
+        pl.when(channel == Channel.POOL.value)
         .then(pooled)
-        .when(channel == "batch")
+        .when(channel == Channel.BATCH.value)
         .then(list_usd * price.batch_discount)
         .otherwise(list_usd)
         .alias("cost_usd"),
-        pl.when(channel == "pool").then(pooled).otherwise(list_usd).alias("realtime_usd"),
+        pl.when(channel == Channel.POOL.value)
+        .then(pooled)
+        .otherwise(list_usd)
+        .alias("realtime_usd"),
     )
 
 
@@ -122,6 +128,11 @@ def savings(outcomes: pl.DataFrame, price: Price) -> dict[str, float]:
     return {"dedupe_savings_usd": listed(dup), "cache_savings_usd": listed(cached)}
 
 
+def _number(value: Any) -> float | None:
+    """A polars aggregate as a float (None for an empty or all-null column)."""
+    return None if value is None else float(value)
+
+
 def _minutes_since(started: datetime | None) -> float | None:
     if started is None:
         return None
@@ -129,32 +140,23 @@ def _minutes_since(started: datetime | None) -> float | None:
 
 
 @task(name="reconcile", task_run_name="reconcile-{run_id}")
-def reconcile_task(
-    run_id: str, state_path: str, price: Price, backend: str, estimate_usd: float | None
-) -> dict:
-    store = Store(state_path)
-    billed = request_costs(
-        store.query(
-            "SELECT * FROM results WHERE run_id = ? AND input_tokens IS NOT NULL", [run_id]
-        ),
-        price,
-    )
-    with store.transaction() as con:
-        con.register("priced", billed.select("custom_id", "cost_usd"))
-        con.execute(
-            "UPDATE results SET cost_usd = p.cost_usd FROM priced p "
-            "WHERE results.custom_id = p.custom_id"
-        )
+def reconcile_task(ctx: RunContext, run_id: str) -> dict:
+    """Price every request the run was billed for, write its `costs` and `metrics`, and return
+    the run's cost, its billed tokens at realtime price, and the naive counterfactual (realtime
+    price with no dedupe and no cache)."""
+    store, price = ctx.store, ctx.price
+    run = store.require_run(run_id)
+    billed = request_costs(store.billed_results(run_id), price)
+    store.set_result_costs(billed)
     batches = store.run_batches(run_id)
-    costs = cost_rows(billed, _provider_usage(batches), price, backend, estimate_usd)
+    costs = cost_rows(billed, _provider_usage(batches), price, ctx.backend, run.get("estimate_usd"))
     store.replace_rows("costs", run_id, costs)
     run_cost = costs.filter(pl.col("level") == "run").row(0, named=True)
     outcomes = store.run_unit_outcomes(run_id)
-    run = store.get_run(run_id) or {}
     minutes = _minutes_since(run.get("started_at"))
     answered_here = billed.filter(pl.col("outcome").is_in(ANSWERED))
     sent = billed.height
-    ended = batches.filter(pl.col("backend") != "realtime")
+    ended = batches.filter(pl.col("backend") != REALTIME_BACKEND)
     durations = (
         (ended["updated_at"] - ended["created_at"]).dt.total_seconds() if ended.height else None
     )
@@ -166,16 +168,12 @@ def reconcile_task(
         )
     metrics = {
         "completions_per_minute": answered_here.height / minutes if minutes else None,
-        "failure_rate": float(rows["outcome"].is_in(ANSWERED).not_().mean())
-        if rows.height
-        else 0.0,  # type: ignore[arg-type]
-        "retry_rate": float((billed["attempts"] > 1).mean()) if sent else 0.0,  # type: ignore[arg-type]
-        "mean_context_tokens": float(billed["input_tokens"].mean()) if sent else None,  # type: ignore[arg-type]
-        "max_output_tokens": float(billed["output_tokens"].max()) if sent else None,  # type: ignore[arg-type]
-        "slowest_batch_s": float(durations.max()) if durations is not None else None,  # type: ignore[arg-type]
-        "longest_unit_tokens": float(rows["unit_tokens"].max())
-        if rows.height and rows["unit_tokens"].max() is not None
-        else None,  # type: ignore[arg-type]
+        "failure_rate": _number(rows["outcome"].is_in(ANSWERED).not_().mean()) or 0.0,
+        "retry_rate": _number((billed["attempts"] > 1).mean()) or 0.0,
+        "mean_context_tokens": _number(billed["input_tokens"].mean()),
+        "max_output_tokens": _number(billed["output_tokens"].max()),
+        "slowest_batch_s": _number(durations.max()) if durations is not None else None,
+        "longest_unit_tokens": _number(rows["unit_tokens"].max()),
         "usage_mismatch_tokens": float(mismatch) if mismatch is not None else None,
         "batch_savings_usd": run_cost["realtime_cost_usd"] - run_cost["cost_usd"],
         **savings(outcomes, price),
@@ -191,8 +189,22 @@ def reconcile_task(
             schema={"name": pl.String, "value": pl.Float64},
         ),
     )
+    naive = (
+        run_cost["realtime_cost_usd"]
+        + (metrics["dedupe_savings_usd"] or 0.0)
+        + (metrics["cache_savings_usd"] or 0.0)
+    )
+    stage_log(
+        "reconcile",
+        "%d requests billed, $%.4f (realtime price $%.4f; no dedupe, no cache $%.4f)",
+        sent,
+        run_cost["cost_usd"],
+        run_cost["realtime_cost_usd"],
+        naive,
+    )
     return {
         "cost_usd": run_cost["cost_usd"],
         "realtime_cost_usd": run_cost["realtime_cost_usd"],
+        "naive_cost_usd": naive,
         **{k: v for k, v in metrics.items() if v is not None},
     }

@@ -16,7 +16,12 @@ import orjson
 import polars as pl
 from prefect import task
 
+from lowtide.context import RunContext
 from lowtide.jobspec import RetrySpec
+from lowtide.runlog import stage_log
+from lowtide.vocabulary import RunStatus
+from tasks.assemble import BATCH_ROW_SCHEMA, plan_batches
+from tasks.realtime import deadline_passed, plan_realtime
 
 REASK_SUFFIX = "_r1"
 
@@ -79,15 +84,91 @@ def reask_line(line: str, error: str | None, finish_reason: str | None, factor: 
     return orjson.dumps(request).decode()
 
 
-@task(name="plan-retries", task_run_name="plan-retries-{run_id}")
-def plan_retries_task(
-    run_id: str, state_path: str, spec: RetrySpec, past_deadline: bool
-) -> dict[str, list[str]]:
-    from lowtide.store.state import Store
-
-    store = Store(state_path)
-    return retry_plan(
-        store.run_request_outcomes(run_id),
-        spec,
-        past_deadline=past_deadline,
+def _reask_requests(lines: pl.DataFrame, factor: float) -> pl.DataFrame:
+    """New requests that re-ask these stored ones (few: only unparseable answers)."""
+    return lines.select(
+        (pl.col("custom_id") + REASK_SUFFIX).alias("custom_id"),
+        (pl.col("request_key") + ":reask").alias("request_key"),
+        pl.struct("line", "error", "finish_reason")
+        .map_elements(
+            lambda r: reask_line(r["line"], r["error"], r["finish_reason"], factor),
+            return_dtype=pl.String,
+        )
+        .alias("line"),
+        pl.col("est_input_tokens"),
+        pl.col("custom_id").alias("reask_of"),
     )
+
+
+def _new_batches(ctx: RunContext, run_id: str, lines: pl.DataFrame) -> None:
+    """Write-ahead manifest for a retry round: new batches for already-built request lines."""
+    reqs, batches, members = plan_batches(
+        ctx.job,
+        run_id,
+        lines.select(
+            "custom_id",
+            "request_key",
+            "line",
+            *(["reask_of"] if "reask_of" in lines.columns else []),
+            "est_input_tokens",
+        ),
+        backend=ctx.backend,
+        max_requests=ctx.max_requests,
+        max_bytes=ctx.capabilities.max_bytes,
+        attempt=ctx.store.next_attempt(run_id),
+        prebuilt=True,
+    )
+    ctx.store.write_manifest(run_id, reqs, batches, members)
+
+
+def _write_requests(ctx: RunContext, run_id: str, lines: pl.DataFrame) -> None:
+    """Requests without a batch of their own (they go through a realtime batch)."""
+    job = ctx.job
+    ctx.store.write_manifest(
+        run_id,
+        lines.with_columns(pl.lit(job.name).alias("job"), pl.lit(job.model.name).alias("model")),
+        pl.DataFrame(schema=BATCH_ROW_SCHEMA),
+        pl.DataFrame(schema={"batch_id": pl.String, "custom_id": pl.String}),
+    )
+
+
+@task(name="retry-round", task_run_name="retry-round-{run_id}")
+def retry_round_task(ctx: RunContext, run_id: str) -> bool:
+    """Plan the next round for the run's unanswered requests and commit its manifest: new
+    batches for retries and re-asks, a realtime batch for stragglers (on backends with a
+    realtime path). True if a round was started; a run being cancelled gets none."""
+    store, job = ctx.store, ctx.job
+    run = store.require_run(run_id)
+    if run["status"] == RunStatus.CANCELLING.value:
+        return False
+    plan = retry_plan(
+        store.run_request_outcomes(run_id),
+        job.retry,
+        past_deadline=deadline_passed(run.get("started_at"), job.retry.deadline_hours),
+    )
+    realtime = ctx.entry.has_realtime
+    if plan["resubmit"]:
+        _new_batches(ctx, run_id, store.request_lines(plan["resubmit"]))
+    if plan["reask"]:
+        reasks = _reask_requests(
+            store.request_lines(plan["reask"]), job.retry.reask_max_tokens_factor
+        )
+        if job.retry.reask_via == "realtime" and realtime:
+            _write_requests(ctx, run_id, reasks)
+            plan_realtime(store, run_id, reasks["custom_id"].to_list(), "reask")
+        else:
+            _new_batches(ctx, run_id, reasks)
+    # a backend without a realtime path (a pool) already answers as it goes: no fallback
+    fallback = plan["realtime"] if realtime else []
+    if fallback:
+        plan_realtime(store, run_id, fallback, "fallback")
+    started = bool(plan["resubmit"] or plan["reask"] or fallback)
+    if started:
+        stage_log(
+            "retry",
+            "%d resubmitted, %d re-asked, %d through the realtime path",
+            len(plan["resubmit"]),
+            len(plan["reask"]),
+            len(fallback),
+        )
+    return started

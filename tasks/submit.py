@@ -8,47 +8,50 @@ is asked (by lowtide's metadata tag) before anything is created.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prefect import task
 
-from lowtide.backends import make_backend
-from lowtide.backends.base import Backend, BatchStatus, TransientBackendError
+from lowtide.backends.base import Backend, BatchStatus, TerminalBackendError
+from lowtide.context import RunContext
 from lowtide.crashpoints import crash_point
-from lowtide.store.state import Store
+from lowtide.errors import TransientBackendError
+from lowtide.runlog import stage_log
+from lowtide.store import Store
 
 
 def submit_batch(store: Store, backend: Backend, batch_id: str) -> str:
     """Make sure `batch_id` exists at the provider exactly once; returns the provider batch id."""
-    row = store.query("SELECT * FROM batches WHERE batch_id = ?", [batch_id]).row(0, named=True)
+    row = store.batch(batch_id)
     if row["provider_batch_id"]:
         return row["provider_batch_id"]
     input_file_id = row["input_file_id"]
     if row["status"] == BatchStatus.UPLOADED.value:
         # the create call may have reached the provider just before a crash: ask first
-        claimed = store.query(
-            "SELECT provider_batch_id FROM batches WHERE provider_batch_id IS NOT NULL"
-        )["provider_batch_id"].to_list()
         found = backend.find(
-            batch_id, row["n_requests"], row["updated_at"].timestamp(), exclude=tuple(claimed)
+            batch_id,
+            row["n_requests"],
+            row["updated_at"].timestamp(),
+            exclude=store.claimed_provider_ids(),
         )
         if found:
-            store.update_batch(
-                batch_id, provider_batch_id=found, status=BatchStatus.VALIDATING.value
-            )
+            store.record_created(batch_id, found)
             return found
     lines = store.batch_lines(batch_id)
     if row["status"] == BatchStatus.PENDING.value:
         input_file_id = backend.upload(batch_id, lines)
         # recorded even for providers without an upload step (None): from here on a create call
         # may have happened, so a restart must look for the batch before creating another
-        store.update_batch(batch_id, input_file_id=input_file_id, status=BatchStatus.UPLOADED.value)
+        store.record_uploaded(batch_id, input_file_id)
         crash_point("after_upload")
     provider_id = backend.create(batch_id, input_file_id, lines)
     crash_point("after_create")
-    store.update_batch(batch_id, provider_batch_id=provider_id, status=BatchStatus.VALIDATING.value)
+    store.record_created(batch_id, provider_id)
     return provider_id
 
 
-def _transient(task, task_run, state) -> bool:  # noqa: ANN001 - Prefect's callback signature
+def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
+    """Prefect's retry condition for tasks that talk to a provider: only transient errors."""
     try:
         state.result()
     except TransientBackendError:
@@ -64,8 +67,17 @@ def _transient(task, task_run, state) -> bool:  # noqa: ANN001 - Prefect's callb
     retries=4,
     retry_delay_seconds=[1, 2, 4, 8],
     retry_jitter_factor=0.5,
-    retry_condition_fn=_transient,
+    retry_condition_fn=retry_transient,
 )
-def submit_task(batch_id: str, state_path: str, backend_name: str, emulator_url: str | None) -> str:
-    store = Store(state_path)
-    return submit_batch(store, make_backend(backend_name, emulator_url=emulator_url), batch_id)
+def submit_task(ctx: RunContext, batch_id: str) -> str | None:
+    """Send one pending batch; returns its provider id. A batch the provider refuses for good
+    ends failed with the reason (its requests become failed rows) and returns None."""
+    store = ctx.store
+    try:
+        provider_id = submit_batch(store, ctx.batch_client(), batch_id)
+    except TerminalBackendError as e:
+        store.fail_batch(batch_id, "rejected", str(e))
+        stage_log("submit", "%s refused by %s: %s", batch_id, ctx.backend, e)
+        return None
+    stage_log("submit", "%s sent as %s", batch_id, provider_id)
+    return provider_id

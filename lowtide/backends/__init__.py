@@ -1,56 +1,219 @@
-"""Backends: one module per engine and an explicit name → factory table."""
+"""The backend registry: the only place that knows backend names.
+
+Each entry says what its engine can do — provider batches or a stream through a pool, a realtime
+path or not, its limits and price key, whether its answers are real — and how to build its
+clients. The job file validates names against it, and the flows ask it for capabilities instead
+of comparing names. SDKs are imported only when a client is built.
+
+Adding a batch provider is one module with a `Backend` class (see `base.py`), one entry below,
+its routes in the emulator and its prices in the price table: `docs/backends.md`.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-from lowtide.backends.base import Backend, Capabilities, TerminalBackendError
+from lowtide.backends.base import Backend, Capabilities
+from lowtide.errors import TerminalBackendError
 
-KNOWN = ("emulator", "openai", "anthropic", "vllm")
+Mode = Literal["batch", "stream"]
+RealtimeProtocol = Literal["openai", "anthropic"]
+
+
+@dataclass(frozen=True)
+class Connection:
+    """How to reach an engine, resolved once per run: plain values only."""
+
+    emulator_url: str | None = None
+    """Base URL of lowtide's emulator (for the `emulator` backend)."""
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    name: str
+    mode: Mode
+    """`batch`: provider batches (submit, poll, results); `stream`: shards streamed through a
+    pool of servers (`tasks/stream.py`), answered as they go."""
+    capabilities: Callable[[], Capabilities]
+    """Limits (requests and bytes per batch), structured-output mode and price key."""
+    realtime: RealtimeProtocol | None
+    """The protocol of its realtime path (stragglers, urgent rows, re-asks), or None."""
+    emulated: bool
+    """Its answers are the emulator's test data, never a real model's."""
+    pricing: Literal["tokens", "gpu_hour"]
+    """Tokens × the price table, or the pool's GPU time ([pool] gpu_hour_usd)."""
+    make_batch: Callable[[Connection], Backend] | None = None
+    make_realtime: Callable[[Connection], Any] | None = None
+    emulator_env: Callable[[str], dict[str, str]] = field(default=lambda url: {})
+    """Environment that points this backend's SDK at the emulator at `url` (tests, dry runs)."""
+
+    @property
+    def has_realtime(self) -> bool:
+        return self.realtime is not None
+
+    def batch_client(self, connection: Connection) -> Backend:
+        if self.make_batch is None:
+            raise TerminalBackendError(
+                f"backend {self.name!r} streams through a pool of servers and has no provider "
+                "batches",
+                backend=self.name,
+            )
+        return self.make_batch(connection)
+
+    def realtime_protocol(self) -> RealtimeProtocol:
+        if self.realtime is None:
+            raise TerminalBackendError(
+                f"backend {self.name!r} has no realtime path", backend=self.name
+            )
+        return self.realtime
+
+    def realtime_client(self, connection: Connection) -> Any:
+        """(An SDK client for) the realtime path; TerminalBackendError when it has none."""
+        if self.make_realtime is None:
+            raise TerminalBackendError(
+                f"backend {self.name!r} has no realtime path", backend=self.name
+            )
+        return self.make_realtime(connection)
+
+
+# -- the entries ---------------------------------------------------------------------------------
+
+
+def _openai_caps() -> Capabilities:
+    from lowtide.backends import openai_batch
+
+    return openai_batch.CAPABILITIES
+
+
+def _emulator_caps() -> Capabilities:
+    from dataclasses import replace
+
+    return replace(_openai_caps(), name="emulator", price_provider="emulator")
+
+
+def _anthropic_caps() -> Capabilities:
+    from lowtide.backends import anthropic_batch
+
+    return anthropic_batch.CAPABILITIES
+
+
+def _vllm_caps() -> Capabilities:
+    from lowtide.backends import vllm_pool
+
+    return vllm_pool.CAPABILITIES
+
+
+def _emulator_v1(connection: Connection) -> str:
+    if not connection.emulator_url:
+        raise TerminalBackendError(
+            "backend 'emulator' needs a running emulator: start one with `lowtide emulator` and set "
+            "LOWTIDE_EMULATOR_URL, or use `lowtide run`/`lowtide demo`, which start one in-process",
+            backend="emulator",
+        )
+    return connection.emulator_url.rstrip("/") + "/v1"
+
+
+def _openai_batch(_: Connection) -> Backend:
+    from lowtide.backends import openai_batch
+
+    return openai_batch.from_environment()
+
+
+def _openai_realtime(_: Connection) -> Any:
+    from lowtide.backends import openai_batch
+
+    return openai_batch.realtime_client_from_environment()
+
+
+def _emulator_batch(connection: Connection) -> Backend:
+    from lowtide.backends import openai_batch
+
+    return openai_batch.for_base_url(_emulator_v1(connection))
+
+
+def _emulator_realtime(connection: Connection) -> Any:
+    from lowtide.backends import openai_batch
+
+    return openai_batch.realtime_client_for_base_url(_emulator_v1(connection))
+
+
+def _anthropic_batch(_: Connection) -> Backend:
+    from lowtide.backends import anthropic_batch
+
+    return anthropic_batch.from_environment()
+
+
+def _anthropic_realtime(_: Connection) -> Any:
+    from lowtide.backends import anthropic_batch
+
+    return anthropic_batch.realtime_client_from_environment()
+
+
+REGISTRY: dict[str, BackendEntry] = {
+    entry.name: entry
+    for entry in (
+        BackendEntry(
+            name="emulator",
+            mode="batch",
+            capabilities=_emulator_caps,
+            realtime="openai",
+            emulated=True,
+            pricing="tokens",
+            make_batch=_emulator_batch,
+            make_realtime=_emulator_realtime,
+        ),
+        BackendEntry(
+            name="openai",
+            mode="batch",
+            capabilities=_openai_caps,
+            realtime="openai",
+            emulated=False,
+            pricing="tokens",
+            make_batch=_openai_batch,
+            make_realtime=_openai_realtime,
+            emulator_env=lambda url: {
+                "OPENAI_BASE_URL": url.rstrip("/") + "/v1",
+                "OPENAI_API_KEY": "emulator",
+            },
+        ),
+        BackendEntry(
+            name="anthropic",
+            mode="batch",
+            capabilities=_anthropic_caps,
+            realtime="anthropic",
+            emulated=False,
+            pricing="tokens",
+            make_batch=_anthropic_batch,
+            make_realtime=_anthropic_realtime,
+            emulator_env=lambda url: {
+                "ANTHROPIC_BASE_URL": url.rstrip("/"),
+                "ANTHROPIC_API_KEY": "emulator",
+            },
+        ),
+        BackendEntry(
+            name="vllm",
+            mode="stream",
+            capabilities=_vllm_caps,
+            realtime=None,
+            emulated=False,
+            pricing="gpu_hour",
+        ),
+    )
+}
+
+KNOWN = tuple(REGISTRY)
+
+
+def backend_entry(name: str) -> BackendEntry:
+    """The registry entry for `name`; TerminalBackendError listing the known names."""
+    entry = REGISTRY.get(name)
+    if entry is None:
+        raise TerminalBackendError(f"Unknown backend {name!r}; known: {', '.join(KNOWN)}")
+    return entry
 
 
 def make_backend(name: str, *, emulator_url: str | None = None) -> Backend:
-    """Build the backend `name`. `emulator_url` is the emulator's base URL for 'emulator'."""
-    from lowtide.backends import openai_batch
-
-    def anthropic() -> Backend:
-        from lowtide.backends import anthropic_batch
-
-        return anthropic_batch.from_environment()
-
-    def vllm() -> Backend:
-        from lowtide.backends import vllm_pool
-
-        return PoolOnly(vllm_pool.CAPABILITIES)  # type: ignore[return-value]
-
-    factories: dict[str, Callable[[], Backend]] = {
-        "openai": openai_batch.from_environment,
-        "anthropic": anthropic,
-        "vllm": vllm,
-        "emulator": lambda: openai_batch.for_base_url(_emulator_v1(emulator_url)),
-    }
-    if name not in factories:
-        raise TerminalBackendError(f"Unknown backend {name!r}; known: {', '.join(KNOWN)}")
-    return factories[name]()
-
-
-def _emulator_v1(url: str | None) -> str:
-    if not url:
-        raise TerminalBackendError(
-            "backend 'emulator' needs a running emulator: start one with `lowtide emulator` and set "
-            "LOWTIDE_EMULATOR_URL, or use `lowtide run`/`lowtide demo`, which start one in-process"
-        )
-    return url.rstrip("/") + "/v1"
-
-
-class PoolOnly:
-    """The `vllm` backend has no provider batches: shards stream through the pool
-    (`tasks/stream.py`). Only its capabilities are used; batch calls are a programming error."""
-
-    def __init__(self, capabilities: Capabilities):
-        self.capabilities = capabilities
-
-    def __getattr__(self, name: str):  # noqa: ANN204
-        raise TerminalBackendError(
-            f"backend 'vllm' streams through a pool of servers and has no batch operation {name!r}"
-        )
+    """The batch client of backend `name` (`emulator_url`: the emulator's base URL)."""
+    return backend_entry(name).batch_client(Connection(emulator_url=emulator_url))

@@ -16,7 +16,6 @@ Two Anthropic facts shape the code:
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -41,6 +40,8 @@ from lowtide.backends.base import (
     TerminalBackendError,
     TransientBackendError,
 )
+from lowtide.backends.keys import require_key
+from lowtide.backends.wire import is_transient_status
 
 T = TypeVar("T")
 
@@ -124,10 +125,6 @@ def finish_reason(stop_reason: str | None) -> str | None:
 
 
 # --------------------------------------------------------------------------- errors
-
-
-def is_transient_status(status_code: int) -> bool:
-    return status_code in (408, 409, 429) or status_code >= 500
 
 
 def translate(exc: BaseException, operation: str) -> BackendError:
@@ -224,7 +221,8 @@ def _json_schema(response_format: Any) -> tuple[str, dict[str, Any] | None]:
 def _texts(content: Any, index: int) -> list[str]:
     if isinstance(content, str):
         return [content]
-    return [block["text"] for block in _content(content, index)]
+    blocks = _content(content, index)
+    return [blocks] if isinstance(blocks, str) else [block["text"] for block in blocks]
 
 
 def _content(content: Any, index: int) -> str | list[dict[str, Any]]:
@@ -378,8 +376,8 @@ class AnthropicBatchBackend:
         batch = self._call(
             "create",
             # no SDK retry: a timed-out create may have been accepted (see submit_batch/find)
-            lambda: self.client.with_options(max_retries=0).messages.batches.create(  # type: ignore[arg-type]
-                requests=requests
+            lambda: self.client.with_options(max_retries=0).messages.batches.create(
+                requests=requests,  # type: ignore[arg-type]  # plain dicts of the Request shape
             ),
         )
         return batch.id
@@ -413,23 +411,26 @@ class AnthropicBatchBackend:
         return self._call("find", scan)
 
     def poll(self, provider_batch_id: str) -> BatchState:
-        """The batch's status and counts. Once it has ended, `output_file_id` holds the batch
-        id (Anthropic has no result files: results are streamed per batch), which is what
-        `results` reads."""
+        """The batch's status and counts. Once it has ended, `result_ref` holds the batch id
+        (Anthropic has no result files: results are streamed per batch), which is what
+        `results` reads. Anthropic moves `processing` only, so `done` is the rest."""
         b = self._call("poll", lambda: self.client.messages.batches.retrieve(provider_batch_id))
         counts = _counts(b)
+        total = sum(counts.values())
         return BatchState(
             status=map_status(b.processing_status, counts),
             provider_status=b.processing_status,
-            counts={**counts, "total": sum(counts.values())},
-            output_file_id=b.id if b.results_url else None,
+            counts={**counts, "total": total},
+            result_ref=b.id if b.results_url else None,
+            done=total - counts.get("processing", 0),
+            total=total,
         )
 
     def results(self, state: BatchState) -> pl.DataFrame:
-        """Every result of the ended batch named by `state.output_file_id`, one row per
-        custom_id. A stream cut mid-way is requested again (up to `results_attempts` times),
-        keeping the first result seen for each custom_id; then TransientBackendError."""
-        provider_batch_id = state.output_file_id
+        """Every result of the ended batch named by `state.result_ref`, one row per custom_id.
+        A stream cut mid-way is requested again (up to `results_attempts` times), keeping the
+        first result seen for each custom_id; then TransientBackendError."""
+        provider_batch_id = state.result_ref
         if not provider_batch_id:
             return pl.DataFrame(schema=RESULT_SCHEMA)
         rows: dict[str, dict[str, Any]] = {}
@@ -480,15 +481,19 @@ def _counts(batch: Any) -> dict[str, int]:
 def from_environment(structured_output: str | None = None) -> AnthropicBatchBackend:
     """The real Anthropic backend; honours ANTHROPIC_API_KEY and ANTHROPIC_BASE_URL like the
     SDK does."""
-    if not os.environ.get("ANTHROPIC_API_KEY"):
-        raise TerminalBackendError(
-            "No API key for backend 'anthropic': set ANTHROPIC_API_KEY "
-            "(looked in: environment). For a dry run without keys use --backend emulator.",
-            backend="anthropic",
-        )
-    return AnthropicBatchBackend(
-        anthropic.Anthropic(api_key=os.environ["ANTHROPIC_API_KEY"]), structured_output
-    )
+    key = require_key("anthropic", "ANTHROPIC_API_KEY")
+    return AnthropicBatchBackend(anthropic.Anthropic(api_key=key), structured_output)
+
+
+def realtime_client_from_environment() -> anthropic.Anthropic:
+    """A messages client for the realtime path, with the SDK's own retries off: the realtime
+    path retries with tenacity."""
+    key = require_key("anthropic", "ANTHROPIC_API_KEY")
+    return anthropic.Anthropic(api_key=key, max_retries=0)
+
+
+def realtime_client_for_base_url(base_url: str, api_key: str = "emulator") -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=base_url, api_key=api_key, max_retries=0)
 
 
 def for_base_url(

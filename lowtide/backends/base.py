@@ -7,58 +7,25 @@ Errors are translated once, at the backend boundary, into transient (retry later
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any, Protocol
 
 import polars as pl
 
+from lowtide.errors import BackendError, TerminalBackendError, TransientBackendError
+from lowtide.vocabulary import TERMINAL, BatchStatus, RequestStatus
 
-class BatchStatus(StrEnum):
-    PENDING = "pending"  # manifest written, nothing sent yet
-    UPLOADED = "uploaded"  # input file accepted, batch not created yet
-    VALIDATING = "validating"
-    IN_PROGRESS = "in_progress"
-    FINALIZING = "finalizing"
-    CANCELLING = "cancelling"
-    COMPLETED = "completed"
-    FAILED = "failed"
-    EXPIRED = "expired"
-    CANCELLED = "cancelled"
-
-    @property
-    def terminal(self) -> bool:
-        return self in TERMINAL
-
-
-TERMINAL = frozenset(
-    {BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.EXPIRED, BatchStatus.CANCELLED}
-)
-
-
-class RequestStatus(StrEnum):
-    """What the provider said about one request, before lowtide parses the answer."""
-
-    ANSWERED = "answered"
-    PROVIDER_ERROR = "provider_error"
-    EXPIRED = "expired"
-    CANCELLED = "cancelled"
-
-
-class BackendError(RuntimeError):
-    """Base of backend errors; `backend` and `operation` say where it happened."""
-
-    def __init__(self, message: str, *, backend: str = "", operation: str = ""):
-        self.backend = backend
-        self.operation = operation
-        super().__init__(message)
-
-
-class TransientBackendError(BackendError):
-    """Rate limits, 5xx, timeouts, dropped connections: worth retrying later."""
-
-
-class TerminalBackendError(BackendError):
-    """Bad request, auth, validation: retrying the same call cannot help."""
+__all__ = [
+    "RESULT_SCHEMA",
+    "TERMINAL",
+    "Backend",
+    "BackendError",
+    "BatchState",
+    "BatchStatus",
+    "Capabilities",
+    "RequestStatus",
+    "TerminalBackendError",
+    "TransientBackendError",
+]
 
 
 @dataclass(frozen=True)
@@ -81,6 +48,18 @@ class BatchState:
     errors: list[dict[str, Any]] = field(default_factory=list)
     usage: dict[str, int] | None = None
     provider_batch_id: str | None = None
+    result_ref: str | None = None
+    """Where this provider keeps the results when they are not files (Anthropic: the batch id
+    whose results endpoint streams them); OpenAI uses output_file_id / error_file_id."""
+    done: int | None = None
+    """Requests finished so far (answered or errored), as the provider counts them."""
+    total: int | None = None
+    """Requests in the batch, as the provider counts them."""
+
+    @property
+    def has_results(self) -> bool:
+        """True when `Backend.results` has something to download."""
+        return bool(self.output_file_id or self.error_file_id or self.result_ref)
 
 
 RESULT_SCHEMA = {

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import os
 import re
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -21,6 +20,8 @@ from lowtide.backends.base import (
     TerminalBackendError,
     TransientBackendError,
 )
+from lowtide.backends.keys import require_key
+from lowtide.backends.wire import is_transient_status
 
 T = TypeVar("T")
 
@@ -48,7 +49,7 @@ METADATA_KEY = "lowtide_batch_id"
 
 # One result line, as both the output and the error file write it. Giving the schema up front
 # matters: inferred from early `"error": null` lines the column would be typed null.
-_LINE_SCHEMA = {
+_LINE_SCHEMA: dict[str, Any] = {
     "custom_id": pl.String,
     "response": pl.Struct(
         {
@@ -100,10 +101,7 @@ def translate(exc: openai.OpenAIError, operation: str) -> Exception:
         openai.InternalServerError,
     )
     if isinstance(exc, transient) or (
-        isinstance(exc, openai.APIStatusError)
-        and exc.status_code in (408, 409, 429)
-        or isinstance(exc, openai.APIStatusError)
-        and exc.status_code >= 500
+        isinstance(exc, openai.APIStatusError) and is_transient_status(exc.status_code)
     ):
         return TransientBackendError(f"{operation}: {exc}", backend="openai", operation=operation)
     return TerminalBackendError(f"{operation}: {exc}", backend="openai", operation=operation)
@@ -272,8 +270,8 @@ class OpenAIBatchBackend:
         counts = b.request_counts.model_dump() if b.request_counts else {}
         errors = [e.model_dump() for e in (b.errors.data or [])] if b.errors else []
         usage: dict[str, Any] | None = None
-        if getattr(b, "usage", None) is not None:
-            u = b.usage
+        u = getattr(b, "usage", None)
+        if u is not None:
             usage = {
                 "input_tokens": u.input_tokens,
                 "cached_tokens": u.input_tokens_details.cached_tokens
@@ -289,6 +287,8 @@ class OpenAIBatchBackend:
             error_file_id=b.error_file_id,
             errors=errors,
             usage=usage,
+            done=int(counts.get("completed", 0)) + int(counts.get("failed", 0)),
+            total=int(counts.get("total", 0)),
         )
 
     def _content(self, file_id: str) -> bytes:
@@ -310,13 +310,17 @@ class OpenAIBatchBackend:
 
 def from_environment() -> OpenAIBatchBackend:
     """The real OpenAI backend; honours OPENAI_API_KEY and OPENAI_BASE_URL like the SDK does."""
-    if not os.environ.get("OPENAI_API_KEY"):
-        raise TerminalBackendError(
-            "No API key for backend 'openai': set OPENAI_API_KEY "
-            "(looked in: environment). For a dry run without keys use --backend emulator.",
-            backend="openai",
-        )
-    return OpenAIBatchBackend(openai.OpenAI())
+    return OpenAIBatchBackend(openai.OpenAI(api_key=require_key("openai", "OPENAI_API_KEY")))
+
+
+def realtime_client_from_environment() -> openai.OpenAI:
+    """A chat-completions client for the realtime path, with the SDK's own retries off: the
+    realtime path retries with tenacity."""
+    return openai.OpenAI(api_key=require_key("openai", "OPENAI_API_KEY"), max_retries=0)
+
+
+def realtime_client_for_base_url(base_url: str, api_key: str = "emulator") -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
 
 
 def for_base_url(base_url: str, api_key: str = "emulator") -> OpenAIBatchBackend:

@@ -15,11 +15,8 @@ provider's `retry-after-ms` / `retry-after` hint. A request that still fails bec
 from __future__ import annotations
 
 import inspect
-import os
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from email.utils import parsedate_to_datetime
 from typing import Any, Literal
 
 import anthropic
@@ -42,6 +39,7 @@ from lowtide.backends.base import (
     TerminalBackendError,
     TransientBackendError,
 )
+from lowtide.backends.wire import completion_row, retry_after_s
 
 Provider = Literal["openai", "anthropic"]
 
@@ -129,21 +127,8 @@ def _anthropic_caller(client: anthropic.Anthropic, structured_output: str) -> Ca
 
 
 def _completion_row(custom_id: str | None, completion: Any) -> dict[str, Any]:
-    choice = completion.choices[0] if completion.choices else None
-    message = choice.message if choice else None
-    usage = completion.usage
-    details = usage.prompt_tokens_details if usage else None
-    refusal = getattr(message, "refusal", None)
-    return {
-        "custom_id": custom_id,
-        "status": RequestStatus.ANSWERED.value,
-        "raw_text": message.content if message else None,
-        "finish_reason": choice.finish_reason if choice else None,
-        "error": f"refusal: {refusal}" if refusal else None,
-        "input_tokens": usage.prompt_tokens if usage else None,
-        "cached_tokens": (details.cached_tokens or 0) if details else (0 if usage else None),
-        "output_tokens": usage.completion_tokens if usage else None,
-    }
+    # The SDK object as plain JSON, read by the rule the vLLM pool and batch files share.
+    return dict(zip(RESULT_SCHEMA, completion_row(custom_id, completion.model_dump()), strict=True))
 
 
 def _translate(provider: Provider, exc: BaseException) -> BackendError:
@@ -153,29 +138,10 @@ def _translate(provider: Provider, exc: BaseException) -> BackendError:
 
 
 def _retry_after(exc: BaseException) -> float | None:
-    """The provider's retry hint in seconds (`retry-after-ms`, then `retry-after` as seconds
-    or an HTTP date), if the error carries a response."""
+    """The provider's retry hint in seconds (see `wire.retry_after_s`), if the error carries
+    a response."""
     response = getattr(exc, "response", None)
-    headers = getattr(response, "headers", None)
-    if not headers:
-        return None
-    ms = headers.get("retry-after-ms")
-    if ms:
-        try:
-            return max(0.0, float(ms) / 1000)
-        except ValueError:
-            pass
-    value = headers.get("retry-after")
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
-    except (TypeError, ValueError):
-        return None
+    return retry_after_s(getattr(response, "headers", None))
 
 
 def _with_retries(
@@ -233,38 +199,3 @@ def _error_row(custom_id: str | None, error: str) -> dict[str, Any]:
     row["status"] = RequestStatus.PROVIDER_ERROR.value
     row["error"] = error
     return row
-
-
-# --------------------------------------------------------------------------- clients
-
-
-def openai_client_from_env() -> openai.OpenAI:
-    """An OpenAI client from OPENAI_API_KEY / OPENAI_BASE_URL (as the SDK reads them), with
-    the SDK's own retries off: run_realtime retries."""
-    if not os.environ.get("OPENAI_API_KEY"):
-        raise TerminalBackendError(
-            "No API key for the realtime path on 'openai': set OPENAI_API_KEY "
-            "(looked in: environment). For a dry run without keys use --backend emulator.",
-            backend="openai",
-        )
-    return openai.OpenAI(max_retries=0)
-
-
-def anthropic_client_from_env() -> anthropic.Anthropic:
-    """An Anthropic client from ANTHROPIC_API_KEY / ANTHROPIC_BASE_URL (as the SDK reads
-    them), with the SDK's own retries off: run_realtime retries."""
-    if not os.environ.get("ANTHROPIC_API_KEY"):
-        raise TerminalBackendError(
-            "No API key for the realtime path on 'anthropic': set ANTHROPIC_API_KEY "
-            "(looked in: environment). For a dry run without keys use --backend emulator.",
-            backend="anthropic",
-        )
-    return anthropic.Anthropic(api_key=os.environ["ANTHROPIC_API_KEY"], max_retries=0)
-
-
-def openai_client_for_base_url(base_url: str, api_key: str = "emulator") -> openai.OpenAI:
-    return openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-
-
-def anthropic_client_for_base_url(base_url: str, api_key: str = "emulator") -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=base_url, api_key=api_key, max_retries=0)

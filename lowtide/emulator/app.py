@@ -16,7 +16,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from lowtide.emulator import anthropic_routes, openai_routes
+from lowtide.emulator import (
+    anthropic_batches,
+    anthropic_messages,
+    openai_batch_lifecycle,
+    openai_batches,
+    openai_chat,
+    openai_files,
+)
 from lowtide.emulator.clock import Clock
 from lowtide.emulator.config import EmulatorConfig, FaultRule, apply_fault_spec
 from lowtide.emulator.faults import (
@@ -30,6 +37,7 @@ from lowtide.emulator.faults import (
     provider_for_path,
 )
 from lowtide.emulator.ledger import BillingLedger
+from lowtide.emulator.routes_common import json_response
 
 
 class EmulatorState:
@@ -45,9 +53,9 @@ class EmulatorState:
         self.ledger = BillingLedger()
         self.faults = FaultInjector(config.faults)
         self.lock = threading.RLock()
-        self.files: dict[str, openai_routes.StoredFile] = {}
-        self.batches: dict[str, openai_routes.OpenAIBatch] = {}
-        self.message_batches: dict[str, anthropic_routes.MessageBatch] = {}
+        self.files: dict[str, openai_files.StoredFile] = {}
+        self.batches: dict[str, openai_batch_lifecycle.OpenAIBatch] = {}
+        self.message_batches: dict[str, anthropic_batches.MessageBatch] = {}
         # Prompt-cache entries: key -> simulated time of last use.
         self.prompt_cache: dict[str, float] = {}
         self._attempts: Counter[tuple[str, str]] = Counter()
@@ -73,8 +81,8 @@ class EmulatorState:
         """Bring every batch up to the clock's current time; returns that time."""
         with self.lock:
             now = self.clock.now()
-            openai_routes.advance_all(self, now)
-            anthropic_routes.advance_all(self, now)
+            openai_batch_lifecycle.advance_all(self, now)
+            anthropic_batches.advance_all(self, now)
             return now
 
     def patch_config(self, patch: dict[str, Any]) -> None:
@@ -86,12 +94,6 @@ class EmulatorState:
 
 def new_id(prefix: str, nbytes: int = 12) -> str:
     return prefix + secrets.token_hex(nbytes)
-
-
-def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(
-        orjson.dumps(body), status_code=status, media_type="application/json", headers=headers
-    )
 
 
 def error_response(path: str, err: ApiError, request_id: str) -> Response:
@@ -197,8 +199,14 @@ def create_app(config: EmulatorConfig | None = None) -> FastAPI:
         err = ApiError(400, f"Invalid request: {exc.errors()}")
         return error_response(request.url.path, err, _request_id(request))
 
-    app.include_router(openai_routes.router, prefix="/v1")
-    app.include_router(anthropic_routes.router, prefix="/v1")
+    for module in (
+        openai_files,
+        openai_batches,
+        openai_chat,
+        anthropic_batches,
+        anthropic_messages,
+    ):
+        app.include_router(module.router, prefix="/v1")
     _add_admin_routes(app, state)
     app.add_middleware(ProviderEdge, state=state)
     return app

@@ -15,7 +15,6 @@ many matching calls are hit; `*` or omitted-with-`*` means every call; omitted m
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,10 +85,11 @@ class EmulatorConfig:
         return config
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> EmulatorConfig:
+    def from_env(cls, env: Mapping[str, str]) -> EmulatorConfig:
         """Read `LOWTIDE_EMULATOR_<FIELD>` variables (e.g. LOWTIDE_EMULATOR_TIME_SCALE=3600,
-        LOWTIDE_EMULATOR_FAULTS="429:POST /v1/batches:2")."""
-        env = os.environ if environ is None else environ
+        LOWTIDE_EMULATOR_FAULTS="429:POST /v1/batches:2") from a mapping the caller passes (an
+        environment it was given; lowtide itself reads the process environment only in
+        `lowtide.settings`)."""
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             if f.name == "faults":

@@ -31,248 +31,56 @@ The model, in simulated seconds:
 
 `time_scale` compresses time: simulated step durations are divided by it on the wall clock.
 `time_scale=inf` never sleeps (virtual time), which makes scheduling tests deterministic.
+
+This module is the scheduler. The numbers and the ceiling maths (`EngineConfig`, `capacity`,
+`prefix_block_hashes`) live in `engine_capacity` and the records it hands back (results, stats,
+errors) in `engine_reports`; both are re-exported here, the engine's public import path.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
+from lowtide.emulator.engine_capacity import (
+    Capacity,
+    EngineConfig,
+    Workload,
+    capacity,
+    capacity_tokens_per_s,
+    prefix_block_hashes,
+)
+from lowtide.emulator.engine_reports import (
+    FINISH_REASONS,
+    REQUEST_LATENCY_BUCKETS,
+    TTFT_BUCKETS,
+    EngineDeadError,
+    EngineStats,
+    GenerationResult,
+    Histogram,
+    QueueFullError,
+    RequestTooLongError,
+)
 
-# vLLM's bucket edges (v1/metrics/loggers.py) for the three latency histograms exposed.
-TTFT_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-)  # fmt: skip
-REQUEST_LATENCY_BUCKETS = (
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-    240.0, 480.0, 960.0, 1920.0, 7680.0,
-)  # fmt: skip
-
-
-class EngineDeadError(RuntimeError):
-    """The engine was killed; pending and new requests fail with this."""
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at `max_num_queued_reqs`; the server answers 503."""
-
-
-class RequestTooLongError(ValueError):
-    """Prompt plus output would exceed `max_model_len`; the server answers 400."""
-
-    def __init__(self, message: str, *, prompt_tokens: int, output_tokens: int, limit: int):
-        super().__init__(message)
-        self.prompt_tokens = prompt_tokens
-        self.output_tokens = output_tokens
-        self.limit = limit
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Shape and speed of one simulated engine. Durations are simulated seconds."""
-
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 8192
-    kv_cache_tokens: int = 200_000
-    max_model_len: int = 32_768
-    prefill_tokens_per_s: float = 20_000.0
-    decode_step_s_base: float = 0.012
-    decode_step_s_per_seq: float = 0.00015
-    prefix_cache: bool = True
-    block_size: int = 16
-    # Waiting requests beyond this are refused (vLLM `--max-num-queued-reqs`); None = unbounded.
-    max_num_queued_reqs: int | None = None
-    # Simulated seconds per wall-clock second; math.inf = virtual time (never sleep).
-    time_scale: float = 1.0
-    # Wall seconds the engine may run behind its schedule (GC, a busy CPU) before it stops
-    # trying to catch up; lost time is dropped, so the engine never runs above its rate.
-    max_lag_s: float = 0.25
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_tokens", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EngineConfig.{name} must be at least 1")
-        for name in ("prefill_tokens_per_s", "time_scale"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"EngineConfig.{name} must be positive")
-        if self.decode_step_s_base < 0 or self.decode_step_s_per_seq < 0:
-            raise ValueError("EngineConfig decode step times must not be negative")
-        if self.decode_step_s_base + self.decode_step_s_per_seq <= 0:
-            raise ValueError("EngineConfig: a decode step must take some time")
-        if self.kv_cache_tokens < self.max_model_len + self.block_size:
-            raise ValueError(
-                f"EngineConfig: kv_cache_tokens={self.kv_cache_tokens} cannot hold one request "
-                f"of max_model_len={self.max_model_len}; raise kv_cache_tokens or lower "
-                "max_model_len (vLLM refuses to start in this case too)"
-            )
-
-    @property
-    def kv_blocks(self) -> int:
-        return self.kv_cache_tokens // self.block_size
-
-    def step_seconds(self, n_seqs: int, prefill_tokens: int) -> float:
-        """Simulated duration of one step in which `n_seqs` sequences emit a token and
-        `prefill_tokens` prompt tokens are computed."""
-        return (
-            self.decode_step_s_base
-            + self.decode_step_s_per_seq * n_seqs
-            + prefill_tokens / self.prefill_tokens_per_s
-        )
-
-
-@dataclass(frozen=True)
-class Workload:
-    """Mean request shape: prompt tokens, output tokens, and the share of prompt tokens that
-    a warm prefix cache serves (0..1)."""
-
-    prompt_tokens: float
-    output_tokens: float
-    prefix_share: float = 0.0
-
-
-@dataclass(frozen=True)
-class Capacity:
-    """The ceiling of an engine fed without pause by a given workload.
-
-    `output_tokens_per_s` and `requests_per_s` are per wall-clock second (the simulated rate
-    times `time_scale`). `batch` is the mean number of sequences emitting a token per step at
-    the ceiling and `limited_by` names the constraint that sets it."""
-
-    output_tokens_per_s: float
-    requests_per_s: float
-    batch: float
-    limited_by: Literal["max_num_seqs", "kv_cache", "token_budget"]
-
-
-def capacity(config: EngineConfig, workload: Workload) -> Capacity:
-    """Ceiling throughput for `workload`, derived from `EngineConfig.step_seconds`.
-
-    With `d` sequences emitting a token per step, a request of P prompt tokens (of which a
-    share s is served by the prefix cache) and O output tokens costs O steps of which it pays
-    1/d of the fixed part each, O per-sequence shares, and its own prefill:
-
-        cost = O * (base / d + per_seq) + P * (1 - s) / prefill_tokens_per_s
-
-    so the ceiling is O / cost output tokens per simulated second. `d` is the smallest of
-    `max_num_seqs`, the sequences the KV cache holds on average (each holds its uncached prompt
-    and half its output; the shared prefix is held once) and the sequences the token budget
-    feeds (each step's d decode tokens plus d * P(1-s)/O prefill tokens must fit the budget).
-    Preemption, queueing gaps and HTTP time only lower what is reached, so a client's measured
-    throughput over this is its efficiency.
-    """
-    prompt = max(float(workload.prompt_tokens), 0.0)
-    out = max(float(workload.output_tokens), 1.0)
-    share = min(max(workload.prefix_share, 0.0), 1.0) if config.prefix_cache else 0.0
-    fresh = prompt * (1.0 - share)
-    by_seqs = float(config.max_num_seqs)
-    by_kv = max(config.kv_cache_tokens - prompt * share, 1.0) / max(fresh + out / 2.0, 1.0)
-    by_budget = config.max_num_batched_tokens * out / (out + fresh)
-    limits = {"max_num_seqs": by_seqs, "kv_cache": by_kv, "token_budget": by_budget}
-    limited_by = min(limits, key=lambda k: limits[k])
-    d = max(limits[limited_by], 1.0)
-    cost = out * (config.decode_step_s_base / d + config.decode_step_s_per_seq)
-    cost += fresh / config.prefill_tokens_per_s
-    requests = config.time_scale / cost
-    return Capacity(
-        output_tokens_per_s=requests * out,
-        requests_per_s=requests,
-        batch=d,
-        limited_by=limited_by,  # type: ignore[arg-type]
-    )
-
-
-def capacity_tokens_per_s(config: EngineConfig, workload: Workload) -> float:
-    """Ceiling in **output** tokens per wall-clock second; see `capacity`."""
-    return capacity(config, workload).output_tokens_per_s
-
-
-def prefix_block_hashes(token_ids: Sequence[int], block_size: int = 16) -> tuple[int, ...]:
-    """Chained hashes of the full `block_size`-token blocks of a prompt: block i's hash covers
-    blocks 0..i, so two prompts share hash i exactly when their first (i+1)*block_size tokens
-    are equal. A trailing partial block gets no hash (it is never cached)."""
-    hashes: list[int] = []
-    parent = 0
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash((parent, tuple(token_ids[start : start + block_size])))
-        hashes.append(parent)
-    return tuple(hashes)
-
-
-class Histogram:
-    """Cumulative-bucket histogram in Prometheus's sense (buckets, sum, count)."""
-
-    def __init__(self, buckets: Sequence[float]):
-        self.buckets = tuple(buckets)
-        self.counts = [0] * (len(self.buckets) + 1)  # last slot: +Inf
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def cumulative(self) -> list[tuple[str, int]]:
-        """(le, cumulative count) pairs, ending with ("+Inf", count)."""
-        out, total = [], 0
-        for edge, n in zip((*self.buckets, math.inf), self.counts, strict=True):
-            total += n
-            out.append(("+Inf" if edge == math.inf else repr(float(edge)), total))
-        return out
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    """What the engine reports for one finished request; times are simulated seconds."""
-
-    output_tokens: int
-    finish_reason: str
-    cached_tokens: int
-    queue_s: float
-    ttft_s: float
-    e2e_s: float
-    preemptions: int
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine's gauges and counters.
-
-    `sim_seconds` is simulated busy time (steps run); `running_seq_seconds` and
-    `waiting_seq_seconds` integrate the gauges over it, so their ratio to `sim_seconds` over an
-    interval is the mean number running or waiting. `prefill_tokens_computed` excludes tokens
-    served by the prefix cache and `prefill_seconds` is the step time spent on them."""
-
-    alive: bool
-    running: int
-    waiting: int
-    kv_usage: float
-    kv_blocks_used: int
-    kv_blocks_total: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    prefill_tokens_computed: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    preemptions: int
-    request_success: dict[str, int]
-    steps: int
-    sim_seconds: float
-    prefill_seconds: float
-    running_seq_seconds: float
-    waiting_seq_seconds: float
-    ttft: Histogram = field(repr=False)
-    e2e_latency: Histogram = field(repr=False)
-    queue_time: Histogram = field(repr=False)
+# The engine's public face: its config, ceiling and report types are imported from here too.
+__all__ = [
+    "Capacity",
+    "Engine",
+    "EngineConfig",
+    "EngineDeadError",
+    "EngineStats",
+    "GenerationResult",
+    "QueueFullError",
+    "RequestTooLongError",
+    "Workload",
+    "capacity",
+    "capacity_tokens_per_s",
+    "prefix_block_hashes",
+]
 
 
 _WAITING, _RUNNING, _DONE = 0, 1, 2

@@ -39,7 +39,7 @@ from typing import Any
 import orjson
 
 from lowtide.emulator import model as emulated_model
-from lowtide.emulator.vllm import _parse_chat, chat_completion
+from lowtide.emulator.vllm_chat import chat_completion, parse_chat
 
 CHAT_URL = "/v1/chat/completions"
 # The endpoints vLLM's run-batch dispatches; only chat is answered by the emulated model.
@@ -75,7 +75,7 @@ def run_batch(
     Raises `RunBatchInputError` (naming the line) before writing anything when a line does not
     parse. Returns a summary: request, success and failure counts and token totals."""
     requests = parse_input(Path(input_path).read_bytes())
-    summary = {
+    summary: dict[str, Any] = {
         "requests": len(requests),
         "succeeded": 0,
         "failed": 0,
@@ -159,7 +159,7 @@ def _run_one(
                 f"Supported endpoints: {SUPPORTED_ENDPOINTS}"
             )
         return _line(request.custom_id, 400, None, message)
-    parsed = _parse_chat(request.body, served)
+    parsed = parse_chat(request.body, served)
     if not isinstance(parsed, tuple):  # the handler's error response, vLLM's envelope
         return _line(request.custom_id, parsed.status_code, None, orjson.loads(parsed.body))
     messages, schema, max_tokens = parsed

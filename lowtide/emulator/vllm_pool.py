@@ -53,7 +53,7 @@ class _ThreadedServer:
     def _run(self) -> None:
         try:
             asyncio.run(self._serve())
-        except BaseException as exc:  # reported to the starting thread
+        except BaseException as exc:  # noqa: BLE001 - reported to the starting thread
             self._error = exc
 
     async def _serve(self) -> None:

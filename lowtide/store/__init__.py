@@ -1,0 +1,27 @@
+"""The state store: all of lowtide's SQL, behind one facade.
+
+`Store` is assembled from one part per aggregate, each in its own module:
+
+- `runs`: jobs, runs, the run state machine and the lease;
+- `manifest`: sources, units, requests and batches (the write-ahead manifest);
+- `results`: results, re-asks, prices and the per-run tables derived from them;
+- `publish`: the analysts' file, rebuilt and swapped in atomically;
+- `reports`: read models for status, summaries, reports and exports.
+
+Connections and quoting are private (`_db`, `_sql`); `compute` is SQL used as a calculator
+(hashes, reading an input table) that touches no state. Nothing outside this package writes SQL.
+"""
+
+from __future__ import annotations
+
+from lowtide.store.manifest import ManifestStore
+from lowtide.store.reports import EXPORT_FORMATS, ReportsStore
+from lowtide.store.results import ResultsStore
+from lowtide.store.runs import now
+
+
+class Store(ReportsStore, ManifestStore, ResultsStore):
+    """The state file. Each public method is one short transaction, named for its purpose."""
+
+
+__all__ = ["EXPORT_FORMATS", "Store", "now"]

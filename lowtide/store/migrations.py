@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import duckdb
 
+from lowtide.errors import StateTooNewError
+
 MIGRATIONS: list[tuple[int, str, str]] = [
     (
         1,
@@ -216,6 +218,23 @@ MIGRATIONS.append(
     )
 )
 
+MIGRATIONS.append(
+    (
+        6,
+        "a neutral result location for providers without result files; one meaning of "
+        "realtime_cost_usd (the billed tokens at list price) and the naive counterfactual apart",
+        """
+        ALTER TABLE batches ADD COLUMN result_ref VARCHAR;  -- e.g. Anthropic's batch id
+        UPDATE batches SET result_ref = output_file_id, output_file_id = NULL
+            WHERE backend = 'anthropic';
+        ALTER TABLE runs ADD COLUMN naive_cost_usd DOUBLE;  -- list price, no dedupe, no cache
+        UPDATE runs SET naive_cost_usd = realtime_cost_usd,
+            realtime_cost_usd = (SELECT c.realtime_cost_usd FROM costs c
+                                 WHERE c.run_id = runs.run_id AND c.level = 'run');
+        """,
+    )
+)
+
 LATEST = MIGRATIONS[-1][0]
 
 
@@ -232,7 +251,7 @@ def apply(con: duckdb.DuckDBPyConnection) -> int:
     """Apply every migration newer than the file's version, each in its own transaction."""
     version = current_version(con)
     if version > LATEST:
-        raise RuntimeError(
+        raise StateTooNewError(
             f"state file is at schema version {version}, newer than this lowtide ({LATEST}); "
             "upgrade lowtide"
         )

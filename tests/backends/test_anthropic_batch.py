@@ -424,7 +424,7 @@ def test_whole_batch_every_id_once_valid_and_cached(make_emu: Any, job: JobSpec)
     assert provider_id.startswith("msgbatch_")
 
     state = backend.poll(provider_id)
-    assert state.status is BatchStatus.IN_PROGRESS and state.output_file_id is None
+    assert state.status is BatchStatus.IN_PROGRESS and state.result_ref is None
     assert state.counts["processing"] == 30 and state.counts["total"] == 30
     assert backend.results(state).height == 0  # nothing to read before the end
 
@@ -433,7 +433,7 @@ def test_whole_batch_every_id_once_valid_and_cached(make_emu: Any, job: JobSpec)
     advance(emu, 10_000)
     state = backend.poll(provider_id)
     assert state.status is BatchStatus.COMPLETED and state.provider_status == "ended"
-    assert state.counts["succeeded"] == 30 and state.output_file_id == provider_id
+    assert state.counts["succeeded"] == 30 and state.result_ref == provider_id
 
     frame = backend.results(state)
     assert sorted(frame["custom_id"]) == sorted(ids_of(lines))  # each exactly once

@@ -20,7 +20,7 @@ import orjson
 import pytest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from lowtide.backends import realtime
+from lowtide.backends import anthropic_batch, openai_batch, realtime
 from lowtide.backends.base import TerminalBackendError
 from lowtide.emulator import Emulator, EmulatorConfig, run_in_thread
 from lowtide.jobspec import JobSpec, load_job
@@ -64,8 +64,8 @@ class Served:
 
     def client(self, provider: str) -> Any:
         if provider == "openai":
-            return realtime.openai_client_for_base_url(self.base_url + "/v1")
-        return realtime.anthropic_client_for_base_url(self.base_url)
+            return openai_batch.realtime_client_for_base_url(self.base_url + "/v1")
+        return anthropic_batch.realtime_client_for_base_url(self.base_url)
 
     def set_faults(self, spec: str) -> None:
         request = urllib.request.Request(
@@ -244,12 +244,12 @@ def test_client_factories_need_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(
         TerminalBackendError, match=r"set OPENAI_API_KEY \(looked in: environment\)"
     ):
-        realtime.openai_client_from_env()
+        openai_batch.realtime_client_from_environment()
     with pytest.raises(
         TerminalBackendError, match=r"set ANTHROPIC_API_KEY \(looked in: environment\)"
     ):
-        realtime.anthropic_client_from_env()
+        anthropic_batch.realtime_client_from_environment()
     monkeypatch.setenv("OPENAI_API_KEY", "k")
     monkeypatch.setenv("ANTHROPIC_API_KEY", "k")
-    assert realtime.openai_client_from_env().max_retries == 0
-    assert realtime.anthropic_client_from_env().max_retries == 0
+    assert openai_batch.realtime_client_from_environment().max_retries == 0
+    assert anthropic_batch.realtime_client_from_environment().max_retries == 0

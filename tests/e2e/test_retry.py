@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from lowtide.emulator import Emulator, EmulatorConfig
-from lowtide.store.state import Store
+from lowtide.store import Store
 from tests.e2e.conftest import NIGHTLY, Deployed, PrefectServer, run_env, stop_worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

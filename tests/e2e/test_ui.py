@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from lowtide.emulator import Emulator, EmulatorConfig
-from lowtide.store.state import Store
+from lowtide.store import Store
 from tests.conftest import REPO
 from tests.e2e.conftest import (
     NIGHTLY,

@@ -17,7 +17,7 @@ import pytest
 from flows.enrich import enrich
 from lowtide.crashpoints import POINTS
 from lowtide.emulator import Emulator, EmulatorConfig
-from lowtide.store.state import Store
+from lowtide.store import Store
 from tests.integration.conftest import write_job
 
 pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.slow]
@@ -28,8 +28,12 @@ def test_crash_then_resume_pays_once(point: str, tmp_path: Path) -> None:
     from prefect.settings import PREFECT_API_URL
 
     job = write_job(tmp_path, rows=60, eval_rows=10)
-    # slow enough that the first poll finds the batch still running (for during_poll)
-    with Emulator(EmulatorConfig(time_scale=30.0, error_rate=0.0, seed=1)) as emu:
+    # during_poll needs a poll that finds the batch still running: the batch is held in
+    # validation for 10 s of real time (300 simulated s at 30x), far longer than the moment
+    # between the create call and the first poll even on a busy machine
+    validating_s = 300.0 if point == "during_poll" else 5.0
+    config = EmulatorConfig(time_scale=30.0, error_rate=0.0, seed=1, validating_s=validating_s)
+    with Emulator(config) as emu:
         env = {
             **os.environ,
             "LOWTIDE_EMULATOR_URL": emu.base_url,

@@ -12,9 +12,10 @@ import polars as pl
 import pytest
 
 from flows.enrich import enrich
-from lowtide.store.state import Store
+from lowtide.store import Store
 from tests.conftest import SAMPLE_JOB
 from tests.integration.conftest import write_job
+from tests.sql import query
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -36,7 +37,8 @@ def test_sample_job_end_to_end_then_from_cache(emulator, clean_env: Path) -> Non
     executed = emulator.ledger.count_by_custom_id()
     assert set(executed.values()) == {1}  # every unique request executed once
     store = Store(os.environ["LOWTIDE_STATE"])
-    units = store.query(
+    units = query(
+        store,
         "SELECT custom_id, count(*) AS n FROM units WHERE run_id = ? AND custom_id <> '' GROUP BY 1",
         [first["run_id"]],
     )
@@ -72,15 +74,16 @@ def test_sample_job_end_to_end_then_from_cache(emulator, clean_env: Path) -> Non
     )
     failed = view.filter(pl.col("status") == "failed")
     assert failed["failure_reason"].is_not_null().all()
-    failures = store.query(
-        "SELECT * FROM failures WHERE run_id = ? AND kind = 'row'", [first["run_id"]]
+    failures = query(
+        store, "SELECT * FROM failures WHERE run_id = ? AND kind = 'row'", [first["run_id"]]
     )
     assert failures.height == first["failed"] and failures["reason"].is_not_null().all()
 
     # the emulator's ~1% per-request errors were retried in a second batch, never billed twice
     errored = {e["custom_id"] for e in emulator.ledger.errors()}
     assert 0 < len(errored) < 100
-    retried = store.query(
+    retried = query(
+        store,
         "SELECT DISTINCT br.custom_id FROM batch_requests br JOIN batches b USING (batch_id) "
         "WHERE b.run_id = ? AND b.attempt > 1",
         [first["run_id"]],

@@ -17,8 +17,9 @@ from flows.enrich import enrich
 from lowtide.emulator.engine import EngineConfig
 from lowtide.emulator.ledger import BillingLedger
 from lowtide.emulator.vllm_pool import start_engines
-from lowtide.store.state import Store
+from lowtide.store import Store
 from tests.integration.conftest import write_job
+from tests.sql import query
 
 pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.slow]
 
@@ -28,7 +29,8 @@ POOL = "[pool]\ncheckpoint_every = 20\ngpu_hour_usd = 3.6\ngpus = 1\n"
 
 def _answered(store: Store, run_id: str) -> set[str]:
     return set(
-        store.query(
+        query(
+            store,
             "SELECT r.custom_id FROM results r JOIN batch_requests br ON br.custom_id = r.custom_id "
             "JOIN batches b ON b.batch_id = br.batch_id "
             "WHERE b.run_id = ? AND r.outcome IN ('ok', 'repaired')",
@@ -63,8 +65,8 @@ def test_pool_run_survives_an_engine_stopped_midway(tmp_path: Path, monkeypatch)
     assert len(counts) == s["unique_requests"]
     assert set(counts.values()) == {1}, "a request was answered twice"
     store = Store(os.environ["LOWTIDE_STATE"])
-    cost = store.query(
-        "SELECT cost_usd FROM costs WHERE run_id = ? AND level = 'run'", [s["run_id"]]
+    cost = query(
+        store, "SELECT cost_usd FROM costs WHERE run_id = ? AND level = 'run'", [s["run_id"]]
     )
     assert cost["cost_usd"][0] > 0  # priced by GPU time
 
@@ -108,3 +110,54 @@ def test_pool_run_killed_midway_resends_only_the_missing(tmp_path: Path) -> None
     after = ledger.count_by_custom_id()
     assert all(after[k] == before[k] for k in kept)  # nothing stored was sent again
     assert len(after) == s["unique_requests"]
+
+
+def test_urgent_rows_on_the_pool_go_first(tmp_path: Path, monkeypatch) -> None:
+    """A pool has no realtime path: urgent rows ([input] priority_column) are the first shard
+    it streams, and the run completes (it used to plan a realtime batch the pool cannot send
+    and stay `running` forever)."""
+    import polars as pl
+
+    job = write_job(
+        tmp_path,
+        rows=40,
+        eval_rows=5,
+        extra=POOL,
+        replace={'text_column = "body"': 'text_column = "body"\npriority_column = "urgent"'},
+    )
+    messages = pl.read_csv(tmp_path / "messages.csv")
+    # the urgent rows are the last ones, so input order alone would send them last
+    urgent_rows = messages.tail(6)["message_id"]
+    messages.with_columns(
+        pl.col("message_id").is_in(urgent_rows.implode()).alias("urgent")
+    ).write_csv(tmp_path / "messages.csv")
+    ledger = BillingLedger()
+    with start_engines(
+        1, EngineConfig(time_scale=10.0), ledger=ledger, served_model_name=MODEL
+    ) as pool:
+        monkeypatch.setenv("LOWTIDE_VLLM_URLS", ",".join(pool.urls))
+        s = enrich(job_file=str(job), backend="vllm")
+    assert s["status"] == "completed"
+    assert s["rows"] == 40 == s["succeeded"] + s["failed"]
+    store = Store(os.environ["LOWTIDE_STATE"])
+    batches = store.run_batches(s["run_id"])
+    assert "realtime" not in batches["backend"].to_list()
+    urgent_requests = set(
+        query(
+            store,
+            "SELECT DISTINCT custom_id FROM units WHERE run_id = ? AND kind = 'row' "
+            "AND list_contains(?, source_id)",
+            [s["run_id"], urgent_rows.to_list()],
+        )["custom_id"]
+    )
+    first_shard = set(
+        query(
+            store,
+            "SELECT custom_id FROM batch_requests WHERE batch_id = ?",
+            [batches.filter(pl.col("shard") == 0)["batch_id"][0]],
+        )["custom_id"]
+    )
+    assert first_shard == urgent_requests
+    executed = [e["custom_id"] for e in ledger.executions()]
+    assert set(executed[: len(urgent_requests)]) == urgent_requests  # answered before the rest
+    assert len(executed) == len(set(executed)) == s["unique_requests"]

@@ -18,8 +18,9 @@ from flows.collect import collect
 from flows.enrich import enrich
 from lowtide.emulator import Emulator, EmulatorConfig
 from lowtide.pricing import load_price
-from lowtide.store.state import Store
+from lowtide.store import Store
 from tests.integration.conftest import write_job
+from tests.sql import query, scalar
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -59,10 +60,11 @@ def test_expired_batch_keeps_finished_results_and_resubmits_only_the_rest(tmp_pa
         assert batches["attempt"].max() >= 2
         first = batches.row(0, named=True)["batch_id"]
         answered_first = set(
-            store.query("SELECT custom_id FROM results WHERE batch_id = ?", [first])["custom_id"]
+            query(store, "SELECT custom_id FROM results WHERE batch_id = ?", [first])["custom_id"]
         )
         later = set(
-            store.query(
+            query(
+                store,
                 "SELECT br.custom_id FROM batch_requests br JOIN batches b USING (batch_id) "
                 "WHERE b.run_id = ? AND b.attempt > 1",
                 [s["run_id"]],
@@ -85,14 +87,17 @@ def test_errored_requests_retry_then_fail_with_a_reason(tmp_path: Path) -> None:
         assert s["failed"] == 20 and s["status"] == "completed"
         assert emu.ledger.executions() == []  # errored requests are not billed
         store = _store()
-        attempts = store.query(
+        attempts = query(
+            store,
             "SELECT custom_id, count(*) AS n FROM batch_requests br JOIN batches b USING (batch_id) "
             "WHERE b.run_id = ? GROUP BY 1",
             [s["run_id"]],
         )
         assert set(attempts["n"]) == {2}
-        failures = store.query(
-            "SELECT reason, detail FROM failures WHERE run_id = ? AND kind = 'row'", [s["run_id"]]
+        failures = query(
+            store,
+            "SELECT reason, detail FROM failures WHERE run_id = ? AND kind = 'row'",
+            [s["run_id"]],
         )
         assert set(failures["reason"]) == {"provider_error"}
         assert all(d.startswith("HTTP 5") for d in failures["detail"])
@@ -107,11 +112,12 @@ def test_stragglers_go_through_the_realtime_path(tmp_path: Path) -> None:
         realtime = [e for e in emu.ledger.executions() if e["kind"] == "realtime"]
         assert len(realtime) == s["unique_requests"]
         store = _store()
-        channels = store.query(
-            "SELECT DISTINCT channel FROM results WHERE run_id = ?", [s["run_id"]]
+        channels = query(
+            store, "SELECT DISTINCT channel FROM results WHERE run_id = ?", [s["run_id"]]
         )
         assert channels["channel"].to_list() == ["realtime"]
-        costs = store.query(
+        costs = query(
+            store,
             "SELECT cost_usd, realtime_cost_usd FROM costs WHERE run_id = ? AND level = 'run'",
             [s["run_id"]],
         ).row(0, named=True)
@@ -124,8 +130,8 @@ def test_a_batch_that_fails_validation_reports_the_providers_line_errors(tmp_pat
         s = enrich(job_file=str(job), emulator_url=emu.base_url)
         _invariant(s, 20)
         assert s["failed"] == 20
-        detail = _store().query(
-            "SELECT DISTINCT detail FROM failures WHERE run_id = ?", [s["run_id"]]
+        detail = query(
+            _store(), "SELECT DISTINCT detail FROM failures WHERE run_id = ?", [s["run_id"]]
         )
         assert any("batch failed validation at the provider: line" in d for d in detail["detail"])
 
@@ -218,8 +224,10 @@ def test_cancel_keeps_finished_work_and_fails_the_rest_with_a_reason(tmp_path: P
         assert done["status"] == "cancelled"
         _invariant(done, 30)
         assert 0 < done["succeeded"] < 30
-        reasons = store.query(
-            "SELECT DISTINCT reason FROM failures WHERE run_id = ? AND kind = 'row'", [s["run_id"]]
+        reasons = query(
+            store,
+            "SELECT DISTINCT reason FROM failures WHERE run_id = ? AND kind = 'row'",
+            [s["run_id"]],
         )
         assert reasons["reason"].to_list() == ["cancelled"]
         assert len(_paid_once(emu)) >= done["succeeded"]
@@ -234,7 +242,8 @@ def test_malformed_answers_are_repaired_or_reasked(tmp_path: Path) -> None:
         _invariant(s, 400)
         _paid_once(emu)
     store = _store()
-    outcomes = store.query(
+    outcomes = query(
+        store,
         "SELECT r.outcome, r.error FROM results r JOIN requests q USING (custom_id) "
         "WHERE r.run_id = ? AND q.reask_of IS NULL",
         [s["run_id"]],
@@ -259,15 +268,15 @@ def test_costs_add_up_to_the_providers_usage_and_the_estimate_is_close(tmp_path:
         usage["input_tokens"], usage["cached_input_tokens"], usage["output_tokens"], batch=True
     )
     store = _store()
-    costs = store.query(
-        "SELECT level, cost_usd, estimate_usd FROM costs WHERE run_id = ?", [s["run_id"]]
+    costs = query(
+        store, "SELECT level, cost_usd, estimate_usd FROM costs WHERE run_id = ?", [s["run_id"]]
     )
     run_row = costs.filter(pl.col("level") == "run").row(0, named=True)
     assert round(run_row["cost_usd"], 2) == round(expected, 2)
     assert costs.filter(pl.col("level") == "batch")["cost_usd"].sum() == pytest.approx(
         run_row["cost_usd"]
     )
-    per_request = store.scalar("SELECT sum(cost_usd) FROM results WHERE run_id = ?", [s["run_id"]])
+    per_request = scalar(store, "SELECT sum(cost_usd) FROM results WHERE run_id = ?", [s["run_id"]])
     assert per_request == pytest.approx(run_row["cost_usd"])
     assert abs(run_row["estimate_usd"] - run_row["cost_usd"]) <= 0.10 * run_row["cost_usd"]
 
@@ -339,9 +348,9 @@ def test_qa_export_import_round_trip(tmp_path: Path) -> None:
     right = int((reviewed["verdict"] == "correct").sum())
     assert f"accuracy {right / n:.1%}" in result.output
     metrics = dict(
-        _store()
-        .query("SELECT name, value FROM metrics WHERE run_id = ?", [s["run_id"]])
-        .iter_rows()
+        query(
+            _store(), "SELECT name, value FROM metrics WHERE run_id = ?", [s["run_id"]]
+        ).iter_rows()
     )
     assert metrics["qa_reviewed"] == n
     assert (
@@ -372,7 +381,8 @@ def test_same_job_on_anthropic_gives_the_same_rows(tmp_path: Path, monkeypatch) 
     store = _store()
 
     def outputs(run_id: str) -> dict[str, dict]:
-        rows = store.query(
+        rows = query(
+            store,
             "SELECT u.unit_id, r.output FROM units u JOIN results r USING (custom_id) "
             "WHERE u.run_id = ? AND u.kind = 'row'",
             [run_id],
@@ -403,7 +413,8 @@ def test_urgent_rows_go_realtime_at_once(tmp_path: Path) -> None:
         kinds = [e["kind"] for e in emu.ledger.executions()]
         assert kinds.count("realtime") == 4
         assert kinds.count("batch") == s["unique_requests"] - 4
-    channels = _store().query(
+    channels = query(
+        _store(),
         "SELECT u.source_id, u.custom_id, r.channel FROM units u JOIN results r USING (custom_id) "
         "WHERE u.run_id = ? AND u.kind = 'row'",
         [s["run_id"]],
@@ -425,7 +436,8 @@ def test_past_the_deadline_stragglers_skip_further_batches(tmp_path: Path) -> No
         s = enrich(job_file=str(job), emulator_url=emu.base_url)
         _invariant(s, 10)
         assert s["succeeded"] == 10  # answered through realtime
-    attempts = _store().query(
+    attempts = query(
+        _store(),
         "SELECT max(attempt) AS a FROM batches WHERE run_id = ? AND backend <> 'realtime'",
         [s["run_id"]],
     )

@@ -8,8 +8,9 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from lowtide.store import migrations
-from lowtide.store.state import StateLockedError, Store
+from lowtide.errors import StateLockedError, StateTooNewError
+from lowtide.store import Store, migrations
+from tests.sql import query, scalar
 
 TABLES = {
     "schema_version",
@@ -30,11 +31,11 @@ TABLES = {
 
 def test_empty_file_is_migrated_to_the_latest_schema(tmp_path: Path) -> None:
     store = Store(tmp_path / "s.duckdb")
-    assert store.scalar("SELECT max(version) FROM schema_version") == migrations.LATEST
-    names = set(store.query("SELECT table_name FROM duckdb_tables()")["table_name"].to_list())
+    assert scalar(store, "SELECT max(version) FROM schema_version") == migrations.LATEST
+    names = set(query(store, "SELECT table_name FROM duckdb_tables()")["table_name"].to_list())
     assert TABLES <= names
     cols = set(
-        store.query("SELECT column_name FROM duckdb_columns() WHERE table_name = 'results'")[
+        query(store, "SELECT column_name FROM duckdb_columns() WHERE table_name = 'results'")[
             "column_name"
         ]
     )
@@ -54,13 +55,13 @@ def test_a_newer_file_is_refused(tmp_path: Path) -> None:
     con = duckdb.connect(str(tmp_path / "s.duckdb"))
     migrations.apply(con)
     con.execute("INSERT INTO schema_version VALUES (999, 'future', now())")
-    with pytest.raises(RuntimeError, match="newer than this lowtide"):
+    with pytest.raises(StateTooNewError, match="newer than this lowtide"):
         migrations.apply(con)
 
 
 def test_a_held_state_file_is_waited_for_then_named(tmp_path: Path) -> None:
     path = tmp_path / "s.duckdb"
-    Store(path).scalar("SELECT 1")
+    Store(path).list_runs()  # created and migrated
     holder = subprocess.Popen(
         [
             sys.executable,
@@ -73,24 +74,23 @@ def test_a_held_state_file_is_waited_for_then_named(tmp_path: Path) -> None:
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(StateLockedError, match=rf"state file {path} is locked by .*waited 1 s"):
-            Store(path, lock_timeout_s=1.0).scalar("SELECT 1")
+            Store(path, lock_timeout_s=1.0).list_runs()
     finally:
         holder.kill()
         holder.wait()
 
 
 def test_one_process_drives_a_run_and_a_dead_holder_frees_it(tmp_path: Path) -> None:
-    from datetime import datetime
 
     store = Store(tmp_path / "s.duckdb")
-    store.create_run(
+    store.open_run(
         run_id="r",
         job="j",
         job_fingerprint="f",
+        job_file="job.toml",
         backend="emulator",
         model="m",
-        status="running",
-        started_at=datetime(2026, 1, 1),
+        input_fingerprint="i",
     )
     gone = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True

@@ -1,14 +1,14 @@
 from __future__ import annotations
 
-from datetime import datetime
 from pathlib import Path
 
 import duckdb
 import orjson
 import polars as pl
 
-from lowtide.store.publish import publish, source_table
-from lowtide.store.state import Store
+from lowtide.store import Store
+from lowtide.store.publish import source_table
+from tests.sql import query
 
 SCHEMA = {
     "type": "object",
@@ -22,16 +22,15 @@ SCHEMA = {
 
 
 def _seed(store: Store, run_id: str, label: str) -> None:
-    store.save_job("my-job", "my_job", "doc_id", orjson.dumps(SCHEMA).decode(), "job.toml")
-    store.create_run(
+    store.save_job("my-job", "my_job", "doc_id", SCHEMA, "job.toml")
+    store.open_run(
         run_id=run_id,
         job="my-job",
         job_fingerprint="f",
+        job_file="job.toml",
         backend="emulator",
         model="m",
-        status="completed",
-        started_at=datetime(2026, 1, 1),
-        published_at=datetime(2026, 1, 1, 0, 0, int(run_id[-1])),
+        input_fingerprint="i",
     )
     store.save_sources(
         source_table("my_job"),
@@ -74,12 +73,23 @@ def _seed(store: Store, run_id: str, label: str) -> None:
             }
         )
     )
+    status = store.finish_run(
+        run_id,
+        hold_reasons=[],
+        succeeded=1,
+        failed=0,
+        eval_accuracy=None,
+        cost_usd=0.0,
+        realtime_cost_usd=0.0,
+        naive_cost_usd=0.0,
+    )
+    assert status == "completed"
 
 
 def test_job_view_has_source_columns_and_typed_outputs(tmp_path: Path) -> None:
     store = Store(tmp_path / "state.duckdb")
     _seed(store, "run1", "first")
-    db = publish(store, tmp_path / "pub.duckdb", store.job_views())
+    db = store.publish(tmp_path / "pub.duckdb")
     con = duckdb.connect(str(db), read_only=True)
     rows = con.execute("SELECT doc_id, body, lang, status, label, score, ok FROM my_job").fetchall()
     assert rows == [("d1", "hello", "en", "succeeded", "first", 3, True)]
@@ -97,11 +107,11 @@ def test_job_view_has_source_columns_and_typed_outputs(tmp_path: Path) -> None:
 def test_publishing_swaps_the_file_while_a_reader_holds_the_old_one(tmp_path: Path) -> None:
     store = Store(tmp_path / "state.duckdb")
     _seed(store, "run1", "first")
-    db = publish(store, tmp_path / "pub.duckdb", store.job_views())
+    db = store.publish(tmp_path / "pub.duckdb")
     reader = duckdb.connect(str(db), read_only=True)
     assert reader.execute("SELECT label FROM my_job").fetchall() == [("first",)]
     _seed(store, "run2", "second")
-    publish(store, db, store.job_views())  # must not be blocked by the open reader
+    store.publish(db)  # must not be blocked by the open reader
     assert reader.execute("SELECT label FROM my_job").fetchall() == [("first",)]  # old snapshot
     reader.close()
     fresh = duckdb.connect(str(db), read_only=True)
@@ -115,5 +125,5 @@ def test_sources_table_widens_when_the_input_gains_a_column(tmp_path: Path) -> N
     store.save_sources(
         "src_x", "r2", pl.DataFrame({"source_id": ["a"], "body": ["hi"], "lang": ["en"]})
     )
-    rows = store.query("SELECT run_id, lang FROM src_x ORDER BY run_id").rows()
+    rows = query(store, "SELECT run_id, lang FROM src_x ORDER BY run_id").rows()
     assert rows == [("r1", None), ("r2", "en")]

@@ -5,7 +5,7 @@ import polars as pl
 import pytest
 
 from lowtide.jobspec import load_job
-from lowtide.store.state import Store
+from lowtide.store import Store
 from tasks.assemble import (
     cut_shards,
     line_bytes,

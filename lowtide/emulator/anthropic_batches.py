@@ -1,17 +1,17 @@
-"""Anthropic Message Batches and Messages, as the official SDK sees them.
+"""Anthropic Message Batches, as the official SDK sees them: the create, list, retrieve,
+cancel, delete and results routes, and a batch's life on the simulated clock.
 
-Like the OpenAI side, a batch's life is derived from the simulated clock: request i finishes
-`(i + 1) * batch_seconds_per_request` after creation and is executed exactly once, the first
-time anyone looks after that. Create-time checks are synchronous (custom_id pattern, length,
-uniqueness, size limits); bad `params` surface later as `errored` results. Request counts stay
-all-`processing` until the batch ends, and results are served from an absolute URL on the
-emulator's own host, as the SDK follows `results_url` verbatim.
+A batch is not driven by a worker: request i finishes `(i + 1) * batch_seconds_per_request`
+after creation and is executed exactly once (through `anthropic_messages.create_message`), the
+first time anyone looks after that; `advance_all` is what `EmulatorState.tick` calls.
+Create-time checks are synchronous (custom_id pattern, length, uniqueness, size limits); bad
+`params` surface later as `errored` results. Request counts stay all-`processing` until the
+batch ends, and results are served from an absolute URL on the emulator's own host, as the SDK
+follows `results_url` verbatim.
 """
 
 from __future__ import annotations
 
-import hashlib
-import random
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -24,7 +24,15 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from lowtide.emulator import model as emodel
+from lowtide.emulator.anthropic_messages import create_message
 from lowtide.emulator.faults import ApiError, anthropic_error_type
+from lowtide.emulator.routes_common import (
+    anthropic_json_body,
+    draws_error,
+    emulator_state,
+    json_response,
+    result_order_rng,
+)
 
 if TYPE_CHECKING:
     from lowtide.emulator.app import EmulatorState
@@ -33,7 +41,6 @@ router = APIRouter()
 
 CUSTOM_ID_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 RESULT_TYPES = ("succeeded", "errored", "canceled", "expired")
-_ONE_HOUR_TTL_S = 3600.0
 
 
 @dataclass
@@ -97,41 +104,23 @@ def _rfc3339(value: float | None) -> str | None:
     return stamp.replace("+00:00", "Z")
 
 
-def _state(request: Request) -> EmulatorState:
-    return request.app.state.emulator
-
-
 def _base_url(request: Request) -> str:
     return str(request.base_url).rstrip("/")
 
 
-def _json(body: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
-
-
-def _parse_body(raw: bytes) -> dict[str, Any]:
-    try:
-        body = orjson.loads(raw or b"{}")
-    except orjson.JSONDecodeError as exc:
-        raise ApiError(400, f"Request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise ApiError(400, "Request body must be a JSON object.")
-    return body
-
-
-# --------------------------------------------------------------------------- batches
+# --------------------------------------------------------------------------- routes
 
 
 @router.post("/messages/batches")
 async def create_batch(request: Request) -> Response:
-    state = _state(request)
+    state = emulator_state(request)
     limit = state.config.anthropic_max_body_bytes
     if int(request.headers.get("content-length") or 0) > limit:
         raise _too_large(limit)
     raw = await request.body()
     if len(raw) > limit:
         raise _too_large(limit)
-    body = _parse_body(raw)
+    body = anthropic_json_body(raw)
     return await run_in_threadpool(_create_batch, state, body, _base_url(request))
 
 
@@ -190,7 +179,7 @@ def _create_batch(state: EmulatorState, body: dict[str, Any], base_url: str) -> 
             requests=parsed,
         )
         state.message_batches[batch.id] = batch
-        return _json(batch.to_json(base_url, now))
+        return json_response(batch.to_json(base_url, now))
 
 
 def _get_batch(state: EmulatorState, batch_id: str) -> MessageBatch:
@@ -204,7 +193,7 @@ def _get_batch(state: EmulatorState, batch_id: str) -> MessageBatch:
 def list_batches(
     request: Request, limit: int = 20, after_id: str | None = None, before_id: str | None = None
 ) -> Response:
-    state = _state(request)
+    state = emulator_state(request)
     if not 1 <= limit <= 1000:
         raise ApiError(400, "limit: Input should be between 1 and 1000")
     with state.lock:
@@ -227,7 +216,7 @@ def list_batches(
             )
             page, has_more = batches[start : start + limit], start + limit < len(batches)
         base = _base_url(request)
-        return _json(
+        return json_response(
             {
                 "data": [b.to_json(base, now) for b in page],
                 "has_more": has_more,
@@ -239,15 +228,15 @@ def list_batches(
 
 @router.get("/messages/batches/{batch_id}")
 def retrieve_batch(request: Request, batch_id: str) -> Response:
-    state = _state(request)
+    state = emulator_state(request)
     with state.lock:
         now = state.tick()
-        return _json(_get_batch(state, batch_id).to_json(_base_url(request), now))
+        return json_response(_get_batch(state, batch_id).to_json(_base_url(request), now))
 
 
 @router.post("/messages/batches/{batch_id}/cancel")
 def cancel_batch(request: Request, batch_id: str) -> Response:
-    state = _state(request)
+    state = emulator_state(request)
     with state.lock:
         now = state.tick()
         batch = _get_batch(state, batch_id)
@@ -258,12 +247,12 @@ def cancel_batch(request: Request, batch_id: str) -> Response:
         if batch.status == "in_progress":
             batch.status = "canceling"
             batch.cancel_initiated_at = now
-        return _json(batch.to_json(_base_url(request), now))
+        return json_response(batch.to_json(_base_url(request), now))
 
 
 @router.delete("/messages/batches/{batch_id}")
 def delete_batch(request: Request, batch_id: str) -> Response:
-    state = _state(request)
+    state = emulator_state(request)
     with state.lock:
         state.tick()
         batch = _get_batch(state, batch_id)
@@ -274,12 +263,12 @@ def delete_batch(request: Request, batch_id: str) -> Response:
                 "cancel it and wait until it has ended before deleting it.",
             )
         batch.deleted = True
-        return _json({"id": batch.id, "type": "message_batch_deleted"})
+        return json_response({"id": batch.id, "type": "message_batch_deleted"})
 
 
 @router.get("/messages/batches/{batch_id}/results")
 def batch_results(request: Request, batch_id: str) -> Response:
-    state = _state(request)
+    state = emulator_state(request)
     with state.lock:
         now = state.tick()
         batch = _get_batch(state, batch_id)
@@ -335,7 +324,7 @@ def _execute(state: EmulatorState, batch: MessageBatch, index: int) -> None:
     at = batch.finish_time(index)
     attempt = state.next_attempt("anthropic", item.custom_id)
     try:
-        if _draws_error(state, item.custom_id, attempt):
+        if draws_error(state, item.custom_id, attempt):
             raise ApiError(500, "Internal server error", type="api_error")
         message = create_message(
             state, item.params, at, kind="batch", batch_id=batch.id, custom_id=item.custom_id
@@ -369,14 +358,6 @@ def _execute(state: EmulatorState, batch: MessageBatch, index: int) -> None:
     batch.results.append({"custom_id": item.custom_id, "result": result})
 
 
-def _draws_error(state: EmulatorState, custom_id: str, attempt: int) -> bool:
-    rate = state.config.error_rate
-    if rate <= 0:
-        return False
-    digest = hashlib.sha256(f"error|{state.config.seed}|{custom_id}|{attempt}".encode()).hexdigest()
-    return int(digest[:13], 16) / 16**13 < rate
-
-
 def _end(state: EmulatorState, batch: MessageBatch, at: float, not_run: str | None) -> None:
     if not_run is not None:
         for item in batch.requests[batch.executed :]:
@@ -385,180 +366,6 @@ def _end(state: EmulatorState, batch: MessageBatch, at: float, not_run: str | No
     batch.status, batch.ended_at = "ended", at
     ordered = list(batch.results)
     if state.config.shuffle_results:
-        digest = hashlib.sha256("\n".join(r.custom_id for r in batch.requests).encode()).hexdigest()
-        random.Random(f"{state.config.seed}|{digest}").shuffle(ordered)
+        result_order_rng(state.config.seed, (r.custom_id for r in batch.requests)).shuffle(ordered)
     # One line per result and no blank lines: the SDK's JSONL decoder fails on an empty line.
     batch.results_jsonl = b"\n".join(orjson.dumps(r) for r in ordered) + b"\n"
-
-
-# --------------------------------------------------------------------------- messages
-
-
-@router.post("/messages")
-async def messages(request: Request) -> Response:
-    body = _parse_body(await request.body())
-    state = _state(request)
-
-    def run() -> Response:
-        with state.lock:
-            now = state.tick()
-            return _json(create_message(state, body, now, kind="realtime"))
-
-    return await run_in_threadpool(run)
-
-
-def create_message(
-    state: EmulatorState,
-    params: dict[str, Any],
-    at: float,
-    *,
-    kind: str,
-    batch_id: str | None = None,
-    custom_id: str | None = None,
-) -> dict[str, Any]:
-    """Execute one Messages request (recording it in the ledger); raises ApiError(400) for a
-    request the real API would reject."""
-    model_name = params.get("model")
-    if not isinstance(model_name, str) or not model_name:
-        raise ApiError(400, "model: Field required")
-    max_tokens = params.get("max_tokens")
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
-        raise ApiError(400, "max_tokens: Field required")
-    if max_tokens < 1:
-        raise ApiError(400, "max_tokens: must be at least 1")
-    messages = params.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages: at least one message is required")
-    if params.get("stream"):
-        raise ApiError(400, "stream: the lowtide emulator does not stream; set stream=false")
-    schema, tool_name = _structured_output(params)
-    system_blocks = _system_blocks(params.get("system"))
-    system_text = "".join(block.get("text", "") for block in system_blocks) or None
-    config = state.config
-    result = emodel.answer(
-        messages,
-        schema=schema,
-        max_tokens=max_tokens,
-        model=model_name,
-        model_version=config.model_version,
-        malformed_rate=config.malformed_rate,
-        seed=config.seed,
-        system=system_text,
-    )
-    creation, read, ttl_kind = _prompt_cache(state, model_name, system_blocks, at)
-    input_tokens = max(0, result.prompt_tokens - creation - read)
-    state.ledger.record(
-        provider="anthropic",
-        kind=kind,
-        model=model_name,
-        input_tokens=input_tokens + creation + read,
-        cached_input_tokens=read,
-        output_tokens=result.completion_tokens,
-        batch_id=batch_id,
-        custom_id=custom_id,
-        at=at,
-    )
-    truncated = result.finish_reason == "length" or (tool_name is not None and result.broken)
-    if tool_name is not None:
-        tool_input = result.data if isinstance(result.data, dict) else {"value": result.data}
-        if truncated:
-            # A cut-off tool call arrives with only part of its input.
-            keys = list(tool_input)
-            tool_input = {k: tool_input[k] for k in keys[: len(keys) // 2]}
-        content: list[dict[str, Any]] = [
-            {
-                "type": "tool_use",
-                "id": state.new_id("toolu_01", 12),
-                "name": tool_name,
-                "input": tool_input,
-            }
-        ]
-        stop_reason = "max_tokens" if truncated else "tool_use"
-    else:
-        content = [{"type": "text", "text": result.text}]
-        stop_reason = "max_tokens" if truncated else "end_turn"
-    return {
-        "id": state.new_id("msg_01", 12),
-        "type": "message",
-        "role": "assistant",
-        "model": model_name,
-        "content": content,
-        "stop_reason": stop_reason,
-        "stop_sequence": None,
-        "usage": {
-            "input_tokens": input_tokens,
-            "cache_creation_input_tokens": creation,
-            "cache_read_input_tokens": read,
-            "cache_creation": {
-                "ephemeral_5m_input_tokens": creation if ttl_kind == "5m" else 0,
-                "ephemeral_1h_input_tokens": creation if ttl_kind == "1h" else 0,
-            },
-            "output_tokens": result.completion_tokens,
-            "service_tier": "batch" if kind == "batch" else "standard",
-        },
-    }
-
-
-def _structured_output(params: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
-    """(schema, forced tool name) from `output_config.format` or a forced `tool_choice`."""
-    tool_choice = params.get("tool_choice")
-    tools = params.get("tools") or []
-    if isinstance(tool_choice, dict) and tool_choice.get("type") in ("tool", "any"):
-        thinking = params.get("thinking")
-        if isinstance(thinking, dict) and thinking.get("type") == "enabled":
-            raise ApiError(
-                400, "tool_choice: forcing tool use is not compatible with extended thinking"
-            )
-        by_name = {t.get("name"): t for t in tools if isinstance(t, dict)}
-        name = (
-            tool_choice.get("name") if tool_choice["type"] == "tool" else next(iter(by_name), None)
-        )
-        tool = by_name.get(name)
-        if tool is None:
-            raise ApiError(400, f"tool_choice: tool {name!r} is not among the provided tools")
-        schema = tool.get("input_schema")
-        if not isinstance(schema, dict):
-            raise ApiError(400, f"tools.{name}.input_schema: Field required")
-        return schema, name
-    output_config = params.get("output_config")
-    if isinstance(output_config, dict) and isinstance(output_config.get("format"), dict):
-        fmt = output_config["format"]
-        if fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
-            raise ApiError(
-                400, "output_config.format: expected {type: 'json_schema', schema: {...}}"
-            )
-        return fmt["schema"], None
-    return None, None
-
-
-def _system_blocks(system: Any) -> list[dict[str, Any]]:
-    if system is None:
-        return []
-    if isinstance(system, str):
-        return [{"type": "text", "text": system}]
-    if isinstance(system, list):
-        return [b for b in system if isinstance(b, dict)]
-    raise ApiError(400, "system: Input should be a string or a list of text blocks")
-
-
-def _prompt_cache(
-    state: EmulatorState, model_name: str, system_blocks: list[dict[str, Any]], at: float
-) -> tuple[int, int, str | None]:
-    """(cache_creation, cache_read, ttl kind) for the system prefix up to the last
-    `cache_control` breakpoint: the first request writes the cache, later ones read it."""
-    last = max((i for i, b in enumerate(system_blocks) if b.get("cache_control")), default=None)
-    if last is None:
-        return 0, 0, None
-    prefix = "".join(b.get("text", "") for b in system_blocks[: last + 1])
-    tokens = emodel.prompt_token_count([], prefix) - 3  # the prefix alone, without the primer
-    if tokens < state.config.anthropic_cache_min_tokens:
-        return 0, 0, None  # too short to cache: silently not cached, like the real API
-    control = system_blocks[last]["cache_control"]
-    one_hour = isinstance(control, dict) and control.get("ttl") == "1h"
-    ttl = _ONE_HOUR_TTL_S if one_hour else state.config.cache_ttl_s
-    key = "anthropic|" + model_name + "|" + hashlib.sha256(prefix.encode()).hexdigest()
-    previous = state.prompt_cache.get(key)
-    state.prompt_cache[key] = at
-    if previous is not None and at - previous <= ttl:
-        return 0, tokens, None
-    return tokens, 0, "1h" if one_hour else "5m"

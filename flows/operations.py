@@ -1,0 +1,60 @@
+"""Operator actions on a run: cancel it, publish it. One implementation, two faces: the CLI
+calls these functions directly (no Prefect server needed for a one-line action) and the
+`cancel-run` / `publish-run` flows wrap them for the Prefect UI and deployments.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from lowtide.backends import Connection, backend_entry
+from lowtide.errors import BackendError
+from lowtide.settings import Settings
+from lowtide.store import Store
+
+
+def cancel_run(settings: Settings, run_id: str) -> dict[str, Any]:
+    """Mark the run cancelling (so no new round starts), drop what was never sent, and ask the
+    provider to cancel what is in flight. Finished work is kept; `collect` records the rest as
+    cancelled. Returns {run_id, cancelled_in_flight, dropped_unsent}."""
+    store = Store(settings.state, settings.lock_timeout_s)
+    run = store.require_run(run_id)
+    store.mark_cancelling(run_id)
+    dropped = store.cancel_unsent_batches(run_id)
+    live = store.live_provider_batches(run_id)
+    entry = backend_entry(run["backend"])
+    if live.height and entry.mode == "batch":
+        try:
+            backend = entry.batch_client(Connection(emulator_url=settings.emulator_url))
+            for provider_batch_id in live["provider_batch_id"]:
+                backend.cancel(provider_batch_id)
+        except BackendError as e:
+            raise type(e)(
+                f"{e} (the run is marked cancelling; run `lowtide cancel` again)",
+                backend=e.backend,
+                operation=e.operation,
+            ) from e
+    return {"run_id": run_id, "cancelled_in_flight": live.height, "dropped_unsent": dropped}
+
+
+def publish_run(settings: Settings, run_id: str) -> dict[str, Any]:
+    """Make a finished run (e.g. one held by the eval gate) the one its job view shows and
+    rebuild the published file. Returns {run_id, status, db}."""
+    store = Store(settings.state, settings.lock_timeout_s)
+    status = store.publish_run(run_id)
+    path = store.publish(settings.db)
+    return {"run_id": run_id, "status": status.value, "db": str(path)}
+
+
+@flow(name="cancel-run", flow_run_name="cancel-{run_id}", log_prints=False)
+def cancel(run_id: str, state: str | None = None) -> dict[str, Any]:
+    """Cancel a run's in-flight batches (the Prefect face of `lowtide cancel`)."""
+    return cancel_run(Settings().with_overrides(state=state), run_id)
+
+
+@flow(name="publish-run", flow_run_name="publish-{run_id}", log_prints=False)
+def publish(run_id: str, state: str | None = None, db: str | None = None) -> dict[str, Any]:
+    """Publish a finished run (the Prefect face of `lowtide publish`)."""
+    return publish_run(Settings().with_overrides(state=state, db=db), run_id)

@@ -1,0 +1,173 @@
+"""OpenAI Chat Completions: the realtime `POST /v1/chat/completions` route and
+`chat_completion`, the one executor both it and a batch's requests go through.
+
+A call is validated as the real endpoint would (400 for a request it rejects), answered by the
+deterministic model, billed in the ledger with its provider, kind and ids, and priced with
+OpenAI's automatic prompt cache: a repeated system prefix of at least
+`openai_cache_min_tokens` tokens, seen within `cache_ttl_s`, is served from cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import Response
+
+from lowtide.emulator import model as emodel
+from lowtide.emulator.faults import ApiError
+from lowtide.emulator.routes_common import emulator_state, json_response, openai_json_body
+
+if TYPE_CHECKING:
+    from lowtide.emulator.app import EmulatorState
+
+router = APIRouter()
+
+
+@router.post("/chat/completions")
+async def create_chat_completion(request: Request) -> Response:
+    body = await openai_json_body(request)
+    state = emulator_state(request)
+
+    def run() -> Response:
+        with state.lock:
+            now = state.tick()
+            return json_response(chat_completion(state, body, now, kind="realtime"))
+
+    return await run_in_threadpool(run)
+
+
+def chat_completion(
+    state: EmulatorState,
+    body: dict[str, Any],
+    at: float,
+    *,
+    kind: str,
+    batch_id: str | None = None,
+    custom_id: str | None = None,
+) -> dict[str, Any]:
+    """Execute one chat completion body (records it in the ledger); raises ApiError(400)
+    for a request the real endpoint would reject."""
+    model_name = body.get("model")
+    if not isinstance(model_name, str) or not model_name:
+        raise ApiError(400, "you must provide a model parameter", param="model")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty array.", param="messages")
+    if body.get("stream"):
+        raise ApiError(
+            400, "The lowtide emulator does not stream; set stream=false.", param="stream"
+        )
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ApiError(
+            400,
+            f"Invalid 'max_tokens': integer below minimum value 1 ({max_tokens!r}).",
+            param="max_tokens",
+            code="integer_below_min_value",
+        )
+    schema = _response_schema(body.get("response_format"))
+    config = state.config
+    result = emodel.answer(
+        messages,
+        schema=schema,
+        max_tokens=max_tokens,
+        model=model_name,
+        model_version=config.model_version,
+        malformed_rate=config.malformed_rate,
+        seed=config.seed,
+    )
+    cached = _cached_prefix_tokens(state, model_name, messages, at)
+    state.ledger.record(
+        provider="openai",
+        kind=kind,
+        model=model_name,
+        input_tokens=result.prompt_tokens,
+        cached_input_tokens=cached,
+        output_tokens=result.completion_tokens,
+        batch_id=batch_id,
+        custom_id=custom_id,
+        at=at,
+    )
+    return {
+        "id": state.new_id("chatcmpl-", 14),
+        "object": "chat.completion",
+        "created": int(at),
+        "model": model_name,
+        "choices": [
+            {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": result.text,
+                    "refusal": None,
+                    "annotations": [],
+                },
+                "logprobs": None,
+                "finish_reason": result.finish_reason,
+            }
+        ],
+        "usage": {
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": result.completion_tokens,
+            "total_tokens": result.prompt_tokens + result.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached, "audio_tokens": 0},
+            "completion_tokens_details": {
+                "reasoning_tokens": 0,
+                "audio_tokens": 0,
+                "accepted_prediction_tokens": 0,
+                "rejected_prediction_tokens": 0,
+            },
+        },
+        "service_tier": "default",
+        "system_fingerprint": "fp_lowtide_emulator",
+    }
+
+
+def _response_schema(response_format: Any) -> dict[str, Any] | None:
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict):
+        raise ApiError(400, "'response_format' must be an object.", param="response_format")
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ApiError(
+                400,
+                "Missing required parameter: 'response_format.json_schema.schema'.",
+                param="response_format.json_schema",
+            )
+        return spec["schema"]
+    raise ApiError(400, f"Invalid 'response_format.type': {kind!r}.", param="response_format.type")
+
+
+def _cached_prefix_tokens(
+    state: EmulatorState, model_name: str, messages: list[Any], at: float
+) -> int:
+    """OpenAI's automatic prompt cache: a repeated system prefix of >= 1024 tokens is served
+    from cache in 128-token steps."""
+    prefix_parts = []
+    for message in messages:
+        if not isinstance(message, dict) or message.get("role") not in ("system", "developer"):
+            break
+        prefix_parts.append(emodel.message_text(message.get("content")))
+    if not prefix_parts:
+        return 0
+    prefix = "\n".join(prefix_parts)
+    tokens = emodel.prompt_token_count([], prefix) - 3  # drop the reply primer
+    if tokens < state.config.openai_cache_min_tokens:
+        return 0
+    key = "openai|" + model_name + "|" + hashlib.sha256(prefix.encode()).hexdigest()
+    last = state.prompt_cache.get(key)
+    state.prompt_cache[key] = at
+    if last is None or at - last > state.config.cache_ttl_s:
+        return 0
+    return math.floor(tokens / 128) * 128

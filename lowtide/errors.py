@@ -1,0 +1,126 @@
+"""One tree of errors, each with the exit code the CLI gives it.
+
+    LowtideError (1)
+    ├── UserError (2)      what the user fixes: job file, input, prices, budget, review file,
+    │                      pool configuration, a state file written by a newer lowtide
+    ├── BusyError (2)      someone else holds the state file, or drives the run
+    └── BackendError (2)   an engine refused or failed: TransientBackendError (retry later),
+                           TerminalBackendError (retrying the same call cannot help)
+
+Every message says what was wrong, where, and what to do; attributes carry the context so a flow
+can store it. The CLI catches `LowtideError` once and prints one line; anything else is a bug and
+keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+
+class LowtideError(Exception):
+    """Root of every error lowtide raises on purpose."""
+
+    exit_code = 1
+
+
+class UserError(LowtideError):
+    """Bad input or configuration: nothing was sent, the message says what to change."""
+
+    exit_code = 2
+
+
+class BusyError(LowtideError):
+    """Another lowtide process holds what this one needs; waiting or retrying later helps."""
+
+    exit_code = 2
+
+
+class BackendError(LowtideError, RuntimeError):
+    """An engine's error, translated once at the backend boundary; `backend` and `operation`
+    say where it happened."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, *, backend: str = "", operation: str = ""):
+        self.backend = backend
+        self.operation = operation
+        super().__init__(message)
+
+
+class TransientBackendError(BackendError):
+    """Rate limits, 5xx, timeouts, dropped connections: worth retrying later."""
+
+
+class TerminalBackendError(BackendError):
+    """Bad request, auth, validation: retrying the same call cannot help."""
+
+
+# -- user errors ---------------------------------------------------------------------------------
+
+
+class JobFileError(UserError, ValueError):
+    """A job file that cannot be used; the message names the file and what to fix."""
+
+    def __init__(self, path: Path | str, message: str):
+        self.path = str(path)
+        super().__init__(f"{path}: {message}")
+
+
+class InputError(UserError, ValueError):
+    """Input that cannot be used; the message names the file, the column or row, and the fix."""
+
+
+class PriceError(UserError, ValueError):
+    """No usable price for a model; the message names the table and what to add."""
+
+
+class BudgetExceededError(UserError):
+    """The pre-run estimate is above the job's budget; nothing was sent."""
+
+
+class ReviewFileError(UserError, ValueError):
+    """A review file that cannot be imported; the message names the file, row and fix."""
+
+
+class PlanError(UserError, ValueError):
+    """The inputs cannot give a capacity plan; says what to change."""
+
+
+class PoolConfigError(TerminalBackendError, UserError):
+    """The vLLM pool cannot be built from the job file and environment; the message says where."""
+
+    def __init__(self, message: str):
+        super().__init__(message, backend="vllm", operation="config")
+
+
+class StateTooNewError(UserError):
+    """The state file was written by a newer lowtide."""
+
+
+class RunNotFoundError(UserError, LookupError):
+    """A command named a run (or job) the state file does not have."""
+
+
+class RunStateError(UserError):
+    """The run is in a state where the command does not apply (e.g. publishing a running run)."""
+
+
+# -- busy ----------------------------------------------------------------------------------------
+
+
+class StateLockedError(BusyError):
+    """Another process holds the state file for longer than we are willing to wait."""
+
+    def __init__(self, path: Path | str, waited_s: float, detail: str):
+        self.path = str(path)
+        holder = re.search(r"held in (.*?)(?:\. See|$)", detail)
+        who = holder.group(1) if holder else "another process"
+        super().__init__(
+            f"state file {path} is locked by {who}; waited {waited_s:.0f} s. "
+            "Wait for that lowtide process to finish (or stop it), or point LOWTIDE_STATE elsewhere."
+        )
+
+
+class RunBusyError(BusyError):
+    """Another live process is driving this run; it will finish it."""

@@ -1,0 +1,58 @@
+"""DuckDB as a calculator: vectorised hashes and reading an input table, touching no state.
+
+Kept in the store package because it is SQL; it never opens the state file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+import polars as pl
+
+from lowtide.errors import InputError
+from lowtide.store._sql import ident
+
+
+def sha256_hex(values: pl.Series) -> pl.Series:
+    """sha256 of each string, as lowercase hex (in C, no Python loop)."""
+    con = duckdb.connect()
+    try:
+        con.register("v", pl.DataFrame({"v": values}))
+        keys = con.sql("SELECT sha256(v) AS k FROM v").to_arrow_table().column("k")
+    finally:
+        con.close()
+    return pl.Series(values.name, keys).cast(pl.String)
+
+
+def md5_fraction(values: pl.Series, seed: int) -> pl.Series:
+    """A stable pseudo-random number in [0, 1) per string: md5(seed:value)'s first 32 bits."""
+    con = duckdb.connect()
+    try:
+        con.register("u", pl.DataFrame({"v": values}, schema={"v": pl.String}))
+        keys = con.sql(
+            "SELECT ('0x' || substr(md5(?::VARCHAR || ':' || v), 1, 8))::BIGINT "
+            "/ 4294967296.0 AS k FROM u",
+            params=[str(seed)],
+        ).to_arrow_table()
+    finally:
+        con.close()
+    return pl.Series("k", keys.column("k").to_pylist(), dtype=pl.Float64)
+
+
+def read_duckdb_table(database: str, table: str, where: str) -> pl.DataFrame:
+    """Every row of `table` in the DuckDB file `database`, opened read-only. `where` names the
+    input in error messages."""
+    if not Path(database).is_file():
+        raise InputError(f"{database}: DuckDB file not found")
+    try:
+        con = duckdb.connect(database, read_only=True)
+    except duckdb.Error as e:
+        raise InputError(f"{database}: cannot open DuckDB file: {e}") from e
+    try:
+        result = pl.from_arrow(con.sql(f"SELECT * FROM {ident(table)}").to_arrow_table())
+    except duckdb.CatalogException as e:
+        raise InputError(f"{database}: no table {table!r} (from {where})") from e
+    finally:
+        con.close()
+    return result if isinstance(result, pl.DataFrame) else result.to_frame()

@@ -1,0 +1,311 @@
+"""The write-ahead manifest: a run's sources and units, its requests, and the batches that carry
+them, with every provider id committed the moment it returns.
+
+A batch row exists (`pending`) before anything is sent; `record_uploaded` and `record_created`
+store each step's id; a batch with a provider id is never sent again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import polars as pl
+
+from lowtide.store._db import Database, frame
+from lowtide.store._sql import ident
+from lowtide.vocabulary import (
+    ANSWERED,
+    REALTIME_BACKEND,
+    RESUMABLE_RUN,
+    TERMINAL,
+    UNSENT,
+    BatchStatus,
+    sql_list,
+)
+
+LINE_SQL = (
+    "coalesce(q.line, t.head || '\"' || q.custom_id || '\"' || t.mid || "
+    "to_json(q.user_message) || t.tail)"
+)
+"""A request's line: stored whole (re-asks), or rebuilt from its template and message."""
+
+
+def _errors_json(code: str, message: str) -> str:
+    return orjson.dumps([{"code": code, "message": message}]).decode()
+
+
+class ManifestStore(Database):
+    # -- sources and units -----------------------------------------------------------------------
+    def save_sources(self, table: str, run_id: str, rows: pl.DataFrame) -> None:
+        """Keep the run's input rows (typed) so the job view can show them next to outputs."""
+        with self._transaction() as con:
+            con.register("incoming", rows)
+            con.execute(
+                f"CREATE TABLE IF NOT EXISTS {ident(table)} AS "
+                "SELECT ?::VARCHAR AS run_id, * FROM incoming LIMIT 0",
+                [run_id],
+            )
+            # an input that gained columns since earlier runs: widen the table (old rows: NULL)
+            have = {
+                r[0]
+                for r in con.execute(
+                    "SELECT column_name FROM duckdb_columns() WHERE table_name = ?", [table]
+                ).fetchall()
+            }
+            types = dict(
+                con.execute("SELECT column_name, column_type FROM (DESCRIBE incoming)").fetchall()
+            )
+            for column in rows.columns:
+                if column not in have:
+                    con.execute(
+                        f"ALTER TABLE {ident(table)} ADD COLUMN {ident(column)} {types[column]}"
+                    )
+            con.execute(f"DELETE FROM {ident(table)} WHERE run_id = ?", [run_id])
+            con.execute(
+                f"INSERT INTO {ident(table)} BY NAME SELECT ?::VARCHAR AS run_id, * FROM incoming",
+                [run_id],
+            )
+
+    def save_units(self, run_id: str, units: pl.DataFrame) -> None:
+        with self._transaction() as con:
+            con.register("incoming", units)
+            con.execute("DELETE FROM units WHERE run_id = ?", [run_id])
+            con.execute(
+                "INSERT INTO units BY NAME SELECT ?::VARCHAR AS run_id, unit_id, source_id, kind, "
+                "chunk_index, n_chunks, unit_tokens, custom_id, cache_hit FROM incoming",
+                [run_id],
+            )
+
+    def known_outcomes(self, custom_ids: pl.Series) -> pl.DataFrame:
+        """Which of these requests are already answered, or already in a live batch."""
+        with self._connect() as con:
+            con.register("wanted", pl.DataFrame({"custom_id": custom_ids}))
+            return frame(
+                con,
+                """
+                SELECT w.custom_id,
+                       coalesce(list_contains(?, r.outcome), false) AS answered,
+                       EXISTS (SELECT 1 FROM batch_requests br JOIN batches b USING (batch_id)
+                               JOIN runs ON runs.run_id = b.run_id
+                               WHERE br.custom_id = w.custom_id
+                                 AND list_contains(?, runs.status)
+                                 AND (NOT list_contains(?, b.status) OR NOT b.collected))
+                           AS in_flight
+                FROM wanted w LEFT JOIN results r USING (custom_id)
+                """,
+                [list(ANSWERED), sql_list(RESUMABLE_RUN), sql_list(TERMINAL)],
+            )
+
+    # -- the manifest ----------------------------------------------------------------------------
+    def write_manifest(
+        self, run_id: str, requests: pl.DataFrame, batches: pl.DataFrame, members: pl.DataFrame
+    ) -> None:
+        """Request lines and pending batch rows, committed together before anything is sent."""
+        with self._transaction() as con:
+            con.register("req", requests)
+            con.register("bat", batches)
+            con.register("mem", members)
+            optional = "".join(
+                f", {c}"
+                for c in ("line", "user_message", "template_id", "reask_of")
+                if c in requests.columns
+            )
+            con.execute(
+                "INSERT OR IGNORE INTO requests BY NAME SELECT custom_id, request_key, job, model, "
+                f"?::VARCHAR AS first_run_id, est_input_tokens, now() AS created_at{optional} "
+                "FROM req",
+                [run_id],
+            )
+            con.execute(
+                "INSERT INTO batches BY NAME SELECT batch_id, ?::VARCHAR AS run_id, shard, attempt, "
+                "backend, ? AS status, n_requests, n_bytes, false AS collected, "
+                "now() AS created_at, now() AS updated_at FROM bat",
+                [run_id, BatchStatus.PENDING.value],
+            )
+            con.execute("INSERT OR IGNORE INTO batch_requests SELECT batch_id, custom_id FROM mem")
+
+    def save_template(self, template_id: str, head: str, mid: str, tail: str) -> None:
+        with self._transaction() as con:
+            con.execute(
+                "INSERT OR IGNORE INTO request_templates VALUES (?, ?, ?, ?)",
+                [template_id, head, mid, tail],
+            )
+
+    def has_manifest(self, run_id: str) -> bool:
+        return bool(self._scalar("SELECT count(*) FROM batches WHERE run_id = ?", [run_id]))
+
+    def next_attempt(self, run_id: str) -> int:
+        """The attempt number of the run's next retry round."""
+        return int(
+            self._scalar(
+                "SELECT coalesce(max(attempt), 1) + 1 FROM batches WHERE run_id = ?", [run_id]
+            )
+        )
+
+    # -- batches by purpose ----------------------------------------------------------------------
+    def run_batches(self, run_id: str) -> pl.DataFrame:
+        return self._query(
+            "SELECT * FROM batches WHERE run_id = ? ORDER BY shard, attempt", [run_id]
+        )
+
+    def batch(self, batch_id: str) -> dict[str, Any]:
+        return self._query("SELECT * FROM batches WHERE batch_id = ?", [batch_id]).row(
+            0, named=True
+        )
+
+    def unsent_provider_batches(self, run_id: str) -> list[str]:
+        """Provider batches of the run that have no provider id yet, in sending order."""
+        return self._ids(
+            "SELECT batch_id FROM batches WHERE run_id = ? AND provider_batch_id IS NULL "
+            "AND backend <> ? AND list_contains(?, status) ORDER BY attempt, shard",
+            [run_id, REALTIME_BACKEND, sql_list(UNSENT)],
+        )
+
+    def pending_realtime_batches(self, run_id: str) -> list[str]:
+        return self._ids(
+            "SELECT batch_id FROM batches WHERE run_id = ? AND backend = ? AND status = ? "
+            "ORDER BY created_at",
+            [run_id, REALTIME_BACKEND, BatchStatus.PENDING.value],
+        )
+
+    def uncollected_shards(self, run_id: str) -> list[str]:
+        """Shards of a streaming backend still to stream (new, or cut off by a crash), in
+        sending order (attempt, shard)."""
+        return self._ids(
+            "SELECT batch_id FROM batches WHERE run_id = ? AND backend <> ? AND NOT collected "
+            "AND NOT list_contains(?, status) ORDER BY attempt, shard",
+            [run_id, REALTIME_BACKEND, sql_list(TERMINAL)],
+        )
+
+    def ended_uncollected_batches(self, run_id: str) -> list[str]:
+        return self._ids(
+            "SELECT batch_id FROM batches WHERE run_id = ? AND NOT collected "
+            "AND list_contains(?, status) ORDER BY attempt, shard",
+            [run_id, sql_list(TERMINAL)],
+        )
+
+    def open_batches(self, run_id: str) -> pl.DataFrame:
+        """The run's batches not yet collected (in any state)."""
+        return self._query(
+            "SELECT * FROM batches WHERE NOT collected AND run_id = ? ORDER BY created_at, shard",
+            [run_id],
+        )
+
+    def live_provider_batches(self, run_id: str) -> pl.DataFrame:
+        """(batch_id, provider_batch_id) of the run's batches the provider is still working on."""
+        return self._query(
+            "SELECT batch_id, provider_batch_id FROM batches WHERE run_id = ? "
+            "AND provider_batch_id IS NOT NULL AND NOT list_contains(?, status)",
+            [run_id, sql_list(TERMINAL)],
+        )
+
+    def claimed_provider_ids(self) -> tuple[str, ...]:
+        """Every provider batch id already recorded (crash repair must not adopt these)."""
+        return tuple(
+            self._query(
+                "SELECT provider_batch_id FROM batches WHERE provider_batch_id IS NOT NULL"
+            )["provider_batch_id"].to_list()
+        )
+
+    def requests_sent(self, run_id: str) -> int:
+        return int(
+            self._scalar(
+                "SELECT count(DISTINCT br.custom_id) FROM batch_requests br "
+                "JOIN batches b USING (batch_id) WHERE b.run_id = ?",
+                [run_id],
+            )
+            or 0
+        )
+
+    def _ids(self, sql: str, params: list[Any]) -> list[str]:
+        return self._query(sql, params)["batch_id"].to_list()
+
+    # -- batch transitions -----------------------------------------------------------------------
+    def _batch(self, batch_id: str, **fields: Any) -> None:
+        sets = self._set_clause("batches", fields)
+        with self._transaction() as con:
+            con.execute(
+                f"UPDATE batches SET {sets}, updated_at = now() WHERE batch_id = ?",
+                [*fields.values(), batch_id],
+            )
+
+    def record_uploaded(self, batch_id: str, input_file_id: str | None) -> None:
+        """From here on a create call may happen: a restart looks for the batch first."""
+        self._batch(batch_id, input_file_id=input_file_id, status=BatchStatus.UPLOADED.value)
+
+    def record_created(self, batch_id: str, provider_batch_id: str) -> None:
+        self._batch(
+            batch_id, provider_batch_id=provider_batch_id, status=BatchStatus.VALIDATING.value
+        )
+
+    def record_poll(self, batch_id: str, state: Any) -> None:
+        """Store one observation of a provider batch (`BatchState`)."""
+        self._batch(
+            batch_id,
+            status=state.status.value,
+            provider_status=state.provider_status,
+            output_file_id=state.output_file_id,
+            error_file_id=state.error_file_id,
+            result_ref=state.result_ref,
+            request_counts=orjson.dumps(state.counts).decode(),
+            errors=orjson.dumps(state.errors).decode() if state.errors else None,
+            usage=orjson.dumps(state.usage).decode() if state.usage else None,
+        )
+
+    def fail_batch(self, batch_id: str, code: str, message: str) -> None:
+        """The batch ended without being answered (refused, interrupted); its requests end
+        failed with this reason when it is collected."""
+        self._batch(batch_id, status=BatchStatus.FAILED.value, errors=_errors_json(code, message))
+
+    def start_batch(self, batch_id: str) -> None:
+        """Realtime and pool batches: answering has begun."""
+        self._batch(batch_id, status=BatchStatus.IN_PROGRESS.value)
+
+    def complete_batch(self, batch_id: str) -> None:
+        """Realtime and pool batches: every answer is stored."""
+        self._batch(batch_id, status=BatchStatus.COMPLETED.value, collected=True)
+
+    def mark_collected(self, batch_id: str) -> None:
+        self._batch(batch_id, collected=True)
+
+    def cancel_unsent_batches(self, run_id: str) -> int:
+        """Batches of a cancelled run that never reached the provider end cancelled."""
+        unsent = self.unsent_provider_batches(run_id) + self.pending_realtime_batches(run_id)
+        for batch_id in unsent:
+            self._batch(
+                batch_id,
+                status=BatchStatus.CANCELLED.value,
+                errors=_errors_json("cancelled", "cancelled before it was sent"),
+            )
+        return len(unsent)
+
+    # -- lines -----------------------------------------------------------------------------------
+    def batch_lines(self, batch_id: str) -> list[str]:
+        """The JSONL lines of a batch, exactly as they are sent, built in the database."""
+        with self._connect() as con:
+            rows = con.sql(
+                f"SELECT {LINE_SQL} AS line FROM batch_requests br JOIN requests q USING (custom_id) "
+                "LEFT JOIN request_templates t USING (template_id) "
+                "WHERE br.batch_id = ? ORDER BY q.custom_id",
+                params=[batch_id],
+            ).to_arrow_table()
+        return rows.column("line").to_pylist()
+
+    def batch_members(self, batch_id: str) -> pl.DataFrame:
+        return self._query("SELECT custom_id FROM batch_requests WHERE batch_id = ?", [batch_id])
+
+    def request_lines(self, custom_ids: list[str]) -> pl.DataFrame:
+        """(custom_id, request_key, line, est_input_tokens, error, finish_reason) of stored
+        requests, with their last result's error if any."""
+        with self._connect() as con:
+            con.register(
+                "wanted", pl.DataFrame({"custom_id": custom_ids}, schema={"custom_id": pl.String})
+            )
+            return frame(
+                con,
+                f"SELECT q.custom_id, q.request_key, {LINE_SQL} AS line, q.est_input_tokens, "
+                "r.error, r.finish_reason FROM requests q JOIN wanted USING (custom_id) "
+                "LEFT JOIN request_templates t USING (template_id) "
+                "LEFT JOIN results r USING (custom_id)",
+            )

@@ -1,0 +1,208 @@
+"""Results and what is derived from them per run: outcomes, re-asks folded in, prices, the
+run's failures, QA sample, eval scores, cost ledger, metrics and review verdicts.
+
+Results are unique by custom_id and written with upserts, so a repeated download changes
+nothing, and an answered request is never overwritten by a later failure of another attempt.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import polars as pl
+
+from lowtide.errors import LowtideError
+from lowtide.store._db import Database, frame
+from lowtide.store._sql import ident
+from lowtide.vocabulary import ANSWERED, REALTIME_BACKEND, Outcome
+
+PER_RUN_TABLES = frozenset({"failures", "qa_samples", "eval_scores", "costs", "metrics"})
+
+
+class ResultsStore(Database):
+    def upsert_results(self, results: pl.DataFrame) -> None:
+        """Insert or replace results by custom_id; a repeated download changes nothing.
+
+        An answered request is never overwritten by a later failure of another attempt.
+        """
+        if results.is_empty():
+            return
+        with self._transaction() as con:
+            con.register("incoming", results)
+            con.execute(
+                """
+                INSERT OR REPLACE INTO results BY NAME
+                SELECT i.*, now() AS received_at FROM incoming i
+                LEFT JOIN results r USING (custom_id)
+                WHERE r.custom_id IS NULL OR NOT list_contains($answered, r.outcome)
+                   OR list_contains($answered, i.outcome) AND r.batch_id = i.batch_id
+                """,
+                {"answered": list(ANSWERED)},
+            )
+
+    def attempt_counts(self, custom_ids: pl.Series) -> pl.DataFrame:
+        """(custom_id, attempts): how many batches (of any channel) each request was sent in."""
+        with self._connect() as con:
+            con.register("wanted", pl.DataFrame({"custom_id": custom_ids}))
+            return frame(
+                con,
+                "SELECT br.custom_id, count(*)::INTEGER AS attempts FROM batch_requests br "
+                "JOIN wanted USING (custom_id) GROUP BY 1",
+            )
+
+    def results_for(self, custom_ids: pl.Series) -> pl.DataFrame:
+        with self._connect() as con:
+            con.register("wanted", pl.DataFrame({"custom_id": custom_ids}))
+            return frame(con, "SELECT r.* FROM results r JOIN wanted USING (custom_id)")
+
+    def answered_among(self, custom_ids: pl.Series) -> pl.Series:
+        """The custom_ids among these that already have a validated answer."""
+        found = self.results_for(custom_ids)
+        return found.filter(pl.col("outcome").is_in(ANSWERED))["custom_id"]
+
+    def fold_reasks(self) -> None:
+        """A re-ask's valid answer repairs the request it re-asked; a failed one adds its reason."""
+        with self._transaction() as con:
+            con.execute(
+                """
+                UPDATE results SET outcome = $reasked, output = a.output, error = NULL
+                FROM requests q JOIN results a ON a.custom_id = q.custom_id
+                WHERE q.reask_of = results.custom_id AND list_contains($answered, a.outcome)
+                  AND results.outcome = $parse_failed
+                """,
+                {
+                    "answered": list(ANSWERED),
+                    "reasked": Outcome.REASKED.value,
+                    "parse_failed": Outcome.PARSE_FAILED.value,
+                },
+            )
+            con.execute(
+                """
+                UPDATE results
+                SET error = results.error || '; re-ask: ' || coalesce(a.error, a.outcome)
+                FROM requests q JOIN results a ON a.custom_id = q.custom_id
+                WHERE q.reask_of = results.custom_id AND NOT list_contains($answered, a.outcome)
+                  AND results.outcome = $parse_failed AND results.error NOT LIKE '%; re-ask: %'
+                """,
+                {"answered": list(ANSWERED), "parse_failed": Outcome.PARSE_FAILED.value},
+            )
+
+    def run_request_outcomes(self, run_id: str) -> pl.DataFrame:
+        """Every request this run sent, with its outcome and how often it was tried."""
+        return self._query(
+            """
+            WITH mine AS (
+                SELECT DISTINCT br.custom_id FROM batch_requests br JOIN batches b USING (batch_id)
+                WHERE b.run_id = $run
+            ), tries AS (
+                SELECT br.custom_id,
+                       count(*) FILTER (WHERE b.backend <> $realtime) AS batch_attempts,
+                       count(*) FILTER (WHERE b.backend = $realtime) AS realtime_attempts
+                FROM batch_requests br JOIN batches b USING (batch_id)
+                WHERE br.custom_id IN (SELECT custom_id FROM mine) GROUP BY 1
+            )
+            SELECT m.custom_id, r.outcome, r.error, r.finish_reason,
+                   t.batch_attempts, t.realtime_attempts,
+                   (q.reask_of IS NOT NULL
+                    OR EXISTS (SELECT 1 FROM requests x WHERE x.reask_of = m.custom_id)) AS has_reask
+            FROM mine m
+            JOIN tries t USING (custom_id)
+            LEFT JOIN results r USING (custom_id)
+            LEFT JOIN requests q USING (custom_id)
+            """,
+            {"run": run_id, "realtime": REALTIME_BACKEND},
+        )
+
+    def run_unit_outcomes(self, run_id: str) -> pl.DataFrame:
+        """Every unit of a run with its request's outcome (null if not answered yet)."""
+        return self._query(
+            """
+            SELECT u.unit_id, u.source_id, u.kind, u.chunk_index, u.n_chunks, u.unit_tokens,
+                   u.custom_id,
+                   u.cache_hit, r.outcome, r.output, r.error, r.batch_id, r.input_tokens,
+                   r.cached_tokens, r.output_tokens, r.run_id AS answered_in_run
+            FROM units u LEFT JOIN results r USING (custom_id)
+            WHERE u.run_id = ?
+            ORDER BY u.kind, u.source_id, u.chunk_index
+            """,
+            [run_id],
+        )
+
+    def billed_results(self, run_id: str) -> pl.DataFrame:
+        """The results this run received that carry usage (what it is billed for)."""
+        return self._query(
+            "SELECT * FROM results WHERE run_id = ? AND input_tokens IS NOT NULL", [run_id]
+        )
+
+    def set_result_costs(self, priced: pl.DataFrame) -> None:
+        """Store each request's price (custom_id, cost_usd) as billed."""
+        with self._transaction() as con:
+            con.register("priced", priced.select("custom_id", "cost_usd"))
+            con.execute(
+                "UPDATE results SET cost_usd = p.cost_usd FROM priced p "
+                "WHERE results.custom_id = p.custom_id"
+            )
+
+    def share_batch_cost(self, batch_id: str, usd: float) -> None:
+        """Spread a batch's total cost (a pool shard's GPU time) over its answers in proportion
+        to their tokens."""
+        with self._transaction() as con:
+            con.execute(
+                """
+                UPDATE results SET cost_usd = $usd
+                    * (coalesce(input_tokens, 0) + coalesce(output_tokens, 0))
+                    / nullif((SELECT sum(coalesce(input_tokens, 0) + coalesce(output_tokens, 0))
+                              FROM results WHERE batch_id = $batch), 0)
+                WHERE batch_id = $batch
+                """,
+                {"usd": usd, "batch": batch_id},
+            )
+
+    def replace_rows(self, table: str, run_id: str, rows: pl.DataFrame) -> None:
+        """Replace a run's rows in a per-run table (failures, qa_samples, eval_scores, costs,
+        metrics)."""
+        if table not in PER_RUN_TABLES:
+            raise LowtideError(f"{table!r} is not a per-run table; one of {sorted(PER_RUN_TABLES)}")
+        with self._transaction() as con:
+            con.execute(f"DELETE FROM {ident(table)} WHERE run_id = ?", [run_id])
+            if rows.height:
+                con.register("incoming", rows)
+                con.execute(
+                    f"INSERT INTO {ident(table)} BY NAME "
+                    "SELECT ?::VARCHAR AS run_id, * FROM incoming",
+                    [run_id],
+                )
+
+    def set_metrics(self, run_id: str, values: dict[str, float | None]) -> None:
+        """Insert or replace some of a run's named numbers, leaving the others."""
+        with self._transaction() as con:
+            con.executemany(
+                "INSERT OR REPLACE INTO metrics VALUES (?, ?, ?)",
+                [[run_id, name, value] for name, value in values.items()],
+            )
+
+    # -- human review ----------------------------------------------------------------------------
+    def qa_sample_keys(self, run_ids: list[str]) -> pl.DataFrame:
+        """(run_id, unit_id) of the QA samples of these runs."""
+        return self._query(
+            "SELECT run_id, unit_id FROM qa_samples WHERE list_contains(?, run_id)", [run_ids]
+        )
+
+    def record_verdicts(self, reviewed: pl.DataFrame) -> None:
+        """A reviewer's (run_id, unit_id, verdict, correct_value) rows onto the QA sample."""
+        with self._transaction() as con:
+            con.register("incoming", reviewed)
+            con.execute(
+                "UPDATE qa_samples SET verdict = i.verdict, "
+                "correct_value = nullif(i.correct_value, '') FROM incoming i "
+                "WHERE qa_samples.run_id = i.run_id AND qa_samples.unit_id = i.unit_id"
+            )
+
+    def review_counts(self, run_id: str) -> dict[str, Any]:
+        """{correct, n}: the reviewed verdicts of a run's QA sample."""
+        return self._query(
+            "SELECT count(*) FILTER (WHERE verdict = 'correct') AS correct, "
+            "count(*) FILTER (WHERE verdict IN ('correct', 'incorrect')) AS n "
+            "FROM qa_samples WHERE run_id = ?",
+            [run_id],
+        ).row(0, named=True)

@@ -1,0 +1,285 @@
+"""Jobs, runs and the lease: every run transition is one method here.
+
+The run state machine (`lowtide.vocabulary.RunStatus`):
+
+| from | to | method |
+|---|---|---|
+| (none) | running | `open_run` |
+| running | failed | `fail_run` (refused before anything was sent) |
+| running, submitted | submitted | `mark_submitted` (never overwrites cancelling) |
+| running, submitted | cancelling | `mark_cancelling` |
+| running, submitted, cancelling | completed, held, cancelled | `finish_run` |
+| held, completed, cancelled | (published) | `publish_run` (held becomes completed) |
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+import polars as pl
+
+from lowtide.errors import RunNotFoundError, RunStateError
+from lowtide.store._db import Database
+from lowtide.vocabulary import FINISHED_RUN, IN_FLIGHT_RUN, RESUMABLE_RUN, RunStatus, sql_list
+
+
+def now() -> datetime:
+    """The store's clock: naive UTC, as DuckDB's TIMESTAMP columns hold it."""
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
+class RunsStore(Database):
+    # -- jobs ------------------------------------------------------------------------------------
+    def save_job(
+        self, job: str, view: str, id_column: str, schema: dict[str, Any], job_file: str
+    ) -> None:
+        with self._transaction() as con:
+            con.execute(
+                "INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?, now())",
+                [job, view, id_column, orjson.dumps(schema).decode(), job_file],
+            )
+
+    def job_views(self) -> list[dict[str, Any]]:
+        """Every job's view definition inputs, for publishing."""
+        jobs = self._query("SELECT * FROM jobs ORDER BY job")
+        return [
+            {
+                "job": r["job"],
+                "view": r["view_name"],
+                "id_column": r["id_column"],
+                "schema": orjson.loads(r["output_schema"]),
+            }
+            for r in jobs.iter_rows(named=True)
+        ]
+
+    def job_view(self, job: str) -> dict[str, Any]:
+        """One job's view definition; RunNotFoundError when the job was never run here."""
+        view = next((v for v in self.job_views() if v["job"] == job), None)
+        if view is None:
+            raise RunNotFoundError(f"job {job!r} is not in the state file {self.path}")
+        return view
+
+    # -- reading runs ----------------------------------------------------------------------------
+    def get_run(self, run_id: str) -> dict[str, Any] | None:
+        df = self._query("SELECT * FROM runs WHERE run_id = ?", [run_id])
+        return df.row(0, named=True) if df.height else None
+
+    def require_run(self, run_id: str) -> dict[str, Any]:
+        """The run, or a RunNotFoundError naming the state file."""
+        run = self.get_run(run_id)
+        if run is None:
+            raise RunNotFoundError(f"no run {run_id!r} in {self.path}")
+        return run
+
+    def run_status(self, run_id: str) -> RunStatus | None:
+        status = self._scalar("SELECT status FROM runs WHERE run_id = ?", [run_id])
+        return RunStatus(status) if status else None
+
+    def list_runs(self, run_id: str | None = None) -> pl.DataFrame:
+        return self._query(
+            "SELECT * FROM runs WHERE ? IS NULL OR run_id = ? ORDER BY started_at DESC",
+            [run_id, run_id],
+        )
+
+    def resumable_run(self, job: str, fingerprint: str, input_fingerprint: str) -> str | None:
+        """The newest unfinished run of this job with the same job content and input, if any."""
+        return self._scalar(
+            "SELECT run_id FROM runs WHERE job = ? AND job_fingerprint = ? "
+            "AND input_fingerprint IS NOT DISTINCT FROM ? "
+            "AND list_contains(?, status) ORDER BY started_at DESC LIMIT 1",
+            [job, fingerprint, input_fingerprint, sql_list(RESUMABLE_RUN)],
+        )
+
+    def in_flight_runs(self) -> list[dict[str, Any]]:
+        """Runs that have batches and are not finished: what `collect` drives, oldest first."""
+        return self._query(
+            "SELECT run_id, job_file, backend FROM runs WHERE list_contains(?, status) "
+            "AND run_id IN (SELECT run_id FROM batches) ORDER BY started_at",
+            [sql_list(IN_FLIGHT_RUN)],
+        ).to_dicts()
+
+    def latest_finished_runs(self, job: str | None = None) -> list[dict[str, Any]]:
+        """The newest finished run of every job (or of one)."""
+        return self._query(
+            "SELECT * FROM runs WHERE finished_at IS NOT NULL AND (? IS NULL OR job = ?) "
+            "QUALIFY row_number() OVER (PARTITION BY job ORDER BY started_at DESC) = 1 "
+            "ORDER BY job",
+            [job, job],
+        ).to_dicts()
+
+    # -- transitions -----------------------------------------------------------------------------
+    def open_run(
+        self,
+        *,
+        run_id: str,
+        job: str,
+        job_fingerprint: str,
+        job_file: str,
+        backend: str,
+        model: str,
+        input_fingerprint: str,
+    ) -> None:
+        """A new run in `running`."""
+        with self._transaction() as con:
+            con.execute(
+                "INSERT INTO runs (run_id, job, job_fingerprint, job_file, backend, model, status, "
+                "started_at, input_fingerprint) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [
+                    run_id,
+                    job,
+                    job_fingerprint,
+                    job_file,
+                    backend,
+                    model,
+                    RunStatus.RUNNING.value,
+                    now(),
+                    input_fingerprint,
+                ],
+            )
+
+    def record_prepared(
+        self, run_id: str, *, rows: int, units: int, unique_requests: int, cache_hits: int
+    ) -> None:
+        """The run's counts, written before the manifest so a crash leaves a countable run."""
+        self._update(
+            "runs",
+            "run_id",
+            run_id,
+            rows=rows,
+            units=units,
+            unique_requests=unique_requests,
+            cache_hits=cache_hits,
+            requests_sent=0,
+        )
+
+    def record_estimate(self, run_id: str, estimate_usd: float | None) -> None:
+        self._update("runs", "run_id", run_id, estimate_usd=estimate_usd)
+
+    def record_error(self, run_id: str, error: str) -> None:
+        """Keep the last error on a run that stays resumable."""
+        self._update("runs", "run_id", run_id, error=error[:2000])
+
+    def fail_run(self, run_id: str, error: str) -> None:
+        """running → failed: refused before anything was sent (budget, bad input)."""
+        self._update(
+            "runs",
+            "run_id",
+            run_id,
+            status=RunStatus.FAILED.value,
+            error=error[:2000],
+            finished_at=now(),
+        )
+
+    def mark_submitted(self, run_id: str) -> None:
+        """running | submitted → submitted, with the count of requests sent so far; a run being
+        cancelled stays cancelling."""
+        with self._transaction() as con:
+            con.execute(
+                "UPDATE runs SET requests_sent = (SELECT count(DISTINCT br.custom_id) "
+                "FROM batch_requests br JOIN batches b USING (batch_id) WHERE b.run_id = ?), "
+                "status = CASE WHEN list_contains(?, status) THEN ? ELSE status END "
+                "WHERE run_id = ?",
+                [run_id, sql_list(RESUMABLE_RUN), RunStatus.SUBMITTED.value, run_id],
+            )
+
+    def mark_cancelling(self, run_id: str) -> RunStatus:
+        """An in-flight run → cancelling (so nothing starts another round); returns the status
+        it had. RunStateError for a run that is not in flight."""
+        status = self.run_status(run_id)
+        if status is None:
+            raise RunNotFoundError(f"no run {run_id!r} in {self.path}")
+        if not status.in_flight:
+            raise RunStateError(f"run {run_id} is {status}; only a run in flight can be cancelled")
+        self._update("runs", "run_id", run_id, status=RunStatus.CANCELLING.value)
+        return status
+
+    def finish_run(
+        self,
+        run_id: str,
+        *,
+        hold_reasons: list[str],
+        succeeded: int,
+        failed: int,
+        eval_accuracy: float | None,
+        cost_usd: float,
+        realtime_cost_usd: float,
+        naive_cost_usd: float,
+    ) -> RunStatus:
+        """Every request ended: → cancelled (it was cancelling), held (the eval gate gave
+        reasons) or completed (and published). Returns the new status."""
+        current = self.run_status(run_id)
+        if current is RunStatus.CANCELLING:
+            status = RunStatus.CANCELLED
+        elif hold_reasons:
+            status = RunStatus.HELD  # results are kept; the job view keeps the last published
+        else:
+            status = RunStatus.COMPLETED
+        finished = now()
+        with self._transaction() as con:
+            con.execute(
+                "UPDATE runs SET status = ?, gate_note = ?, finished_at = ?, "
+                "published_at = CASE WHEN ? THEN ? ELSE published_at END, "
+                "succeeded = ?, failed = ?, eval_accuracy = ?, cost_usd = ?, "
+                "realtime_cost_usd = ?, naive_cost_usd = ?, "
+                "requests_sent = (SELECT count(DISTINCT br.custom_id) FROM batch_requests br "
+                "JOIN batches b USING (batch_id) WHERE b.run_id = ?) "
+                "WHERE run_id = ?",
+                [
+                    status.value,
+                    "; ".join(hold_reasons) or None,
+                    finished,
+                    status is RunStatus.COMPLETED,
+                    finished,
+                    succeeded,
+                    failed,
+                    eval_accuracy,
+                    cost_usd,
+                    realtime_cost_usd,
+                    naive_cost_usd,
+                    run_id,
+                    run_id,
+                ],
+            )
+        return status
+
+    def publish_run(self, run_id: str) -> RunStatus:
+        """A finished run becomes the one its job view shows (held → completed)."""
+        status = self.run_status(run_id)
+        if status is None:
+            raise RunNotFoundError(f"no run {run_id!r} in {self.path}")
+        if status not in FINISHED_RUN:
+            raise RunStateError(f"run {run_id} is {status}; only a finished run can be published")
+        new = RunStatus.COMPLETED if status is RunStatus.HELD else status
+        self._update("runs", "run_id", run_id, status=new.value, published_at=now())
+        return new
+
+    # -- the lease -------------------------------------------------------------------------------
+    def claim_run(self, run_id: str, owner: str, lease_s: float) -> str | None:
+        """Take (or renew) the lease on a run. Returns None when `owner` now holds it, else the
+        live holder."""
+        from lowtide.lease import owner_gone
+
+        with self._transaction() as con:
+            rows = con.execute(
+                "SELECT lease_owner, lease_until < now()::TIMESTAMP FROM runs WHERE run_id = ?",
+                [run_id],
+            ).fetchall()
+            holder, expired = rows[0] if rows else (None, True)
+            if holder and holder != owner and not expired and not owner_gone(holder):
+                return holder
+            con.execute(
+                "UPDATE runs SET lease_owner = ?, "
+                "lease_until = now()::TIMESTAMP + to_seconds(?::DOUBLE) WHERE run_id = ?",
+                [owner, lease_s, run_id],
+            )
+        return None
+
+    def release_run(self, run_id: str, owner: str) -> None:
+        with self._transaction() as con:
+            con.execute(
+                "UPDATE runs SET lease_owner = NULL, lease_until = NULL "
+                "WHERE run_id = ? AND lease_owner = ?",
+                [run_id, owner],
+            )
