@@ -447,7 +447,7 @@ class AnthropicBatchBackend:
         retrying = Retrying(
             retry=retry_if_exception_type(httpx2.TransportError),
             stop=stop_after_attempt(self.results_attempts),
-            wait=wait_exponential_jitter(initial=0.05, max=2.0),
+            wait=wait_exponential_jitter(multiplier=0.05, max=2.0),
             reraise=True,
         )
         try:

@@ -1,7 +1,9 @@
-"""The backend protocol, lowtide's status vocabulary, and the errors every backend raises.
+"""The protocol every batch backend implements, and what it hands back.
 
-Provider strings never leave their backend: each one maps them to `BatchStatus` in one function.
-Errors are translated once, at the backend boundary, into transient (retry later) or terminal.
+Provider strings never leave their backend: each one maps them to `BatchStatus`
+(`lowtide.vocabulary`) in one function. Errors are translated once, at the backend boundary,
+into transient (retry later) or terminal (`lowtide.errors`); both are re-exported here for the
+backends' convenience.
 """
 
 from __future__ import annotations

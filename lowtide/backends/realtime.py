@@ -151,7 +151,7 @@ def _with_retries(
     provider: Provider,
     max_attempts: int,
 ) -> dict[str, Any]:
-    backoff = wait_exponential_jitter(initial=BACKOFF_INITIAL_S, max=BACKOFF_MAX_S)
+    backoff = wait_exponential_jitter(multiplier=BACKOFF_INITIAL_S, max=BACKOFF_MAX_S)
 
     def wait(state: RetryCallState) -> float:
         exc = state.outcome.exception() if state.outcome else None
