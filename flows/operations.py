@@ -10,7 +10,8 @@ from typing import Any
 from prefect import flow
 
 from lowtide.backends import Connection, backend_entry
-from lowtide.errors import BackendError
+from lowtide.errors import BackendError, JobFileError
+from lowtide.jobspec import load_job
 from lowtide.settings import Settings
 from lowtide.store import Store
 
@@ -27,7 +28,10 @@ def cancel_run(settings: Settings, run_id: str) -> dict[str, Any]:
     entry = backend_entry(run["backend"])
     if live.height and entry.mode == "batch":
         try:
-            backend = entry.batch_client(Connection(emulator_url=settings.emulator_url))
+            connection = Connection(
+                emulator_url=settings.emulator_url, api_key_block=_key_block(run)
+            )
+            backend = entry.batch_client(connection)
             for provider_batch_id in live["provider_batch_id"]:
                 backend.cancel(provider_batch_id)
         except BackendError as e:
@@ -37,6 +41,15 @@ def cancel_run(settings: Settings, run_id: str) -> dict[str, Any]:
                 operation=e.operation,
             ) from e
     return {"run_id": run_id, "cancelled_in_flight": live.height, "dropped_unsent": dropped}
+
+
+def _key_block(run: dict[str, Any]) -> str | None:
+    """The run's `[model] api_key_block`, from its job file as `collect` reads it; None when
+    that file is gone or no longer valid (the key's variable still works)."""
+    try:
+        return load_job(run["job_file"], run["backend"]).model.api_key_block
+    except JobFileError:
+        return None
 
 
 def publish_run(settings: Settings, run_id: str) -> dict[str, Any]:

@@ -40,7 +40,7 @@ def _prefect_env() -> None:
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/] {escape(message)}")
+    render.error_line(message)
     return typer.Exit(code)
 
 
@@ -59,6 +59,7 @@ def _with_progress(call):  # noqa: ANN001, ANN202 - any flow call
         TimeElapsedColumn(),
         console=err_console,
         transient=True,
+        disable=not err_console.is_terminal,  # in a pipe it would only add an empty line
     ) as bar:
         handle = bar.add_task("starting Prefect", total=None)
 
@@ -100,12 +101,20 @@ def _run_job(
 
 
 def _exit_for(summary: dict[str, Any], wait: bool = True) -> None:
+    """3 when the eval gate held the run; 1 when it did not complete, or completed with every
+    row failed (the main reason as one line); else 0."""
     if summary.get("status") == "held":
-        err_console.print(
-            f"[bold yellow]held by the eval gate:[/] {summary.get('gate_note')}. The job view still "
-            f"shows the last published run; `lowtide publish {summary['run_id']}` releases this one."
+        render.error_line(
+            f"{summary.get('gate_note')}. The job view still shows the last published run; "
+            f"`lowtide publish {summary['run_id']}` releases this one.",
+            label="held by the eval gate:",
+            style="bold yellow",
         )
         raise typer.Exit(3)
+    every_row_failed = summary.get("rows") and not summary.get("succeeded")
+    if summary.get("status") == "completed" and every_row_failed:
+        render.error_line(render.every_row_failed(summary))
+        raise typer.Exit(1)
     done = summary.get("status") in ("completed", "cancelled")
     if not done and not (not wait and summary.get("status") == "submitted"):
         raise typer.Exit(1)
@@ -193,7 +202,7 @@ def publish(
     from lowtide.settings import Settings
 
     done = publish_run(Settings().with_overrides(db=db), run_id)
-    console.print(f"run {run_id} published to {done['db']}")
+    console.print(f"run {run_id} published to {escape(done['db'])}", soft_wrap=True)
 
 
 @app.command()
@@ -213,7 +222,7 @@ def export(
     settings = Settings()
     target = out or Path(f"{run_id}.{format}")
     rows = Store(settings.state, settings.lock_timeout_s).export_run(run_id, target, format)
-    console.print(f"{rows} rows written to {target}")
+    console.print(f"{rows} rows written to {escape(str(target))}", soft_wrap=True)
 
 
 @app.command()
@@ -224,7 +233,7 @@ def demo(
     summary = _run_job(SAMPLE_JOB, "emulator", db, True)
     render.run_summary(summary)
     view = summary["job"].replace("-", "_")
-    console.print(f"\nResults are in {summary['db']}. A first query:")
+    console.print(f"\nResults are in {escape(summary['db'])}. A first query:", soft_wrap=True)
     from lowtide.store.published import first_query
 
     query = first_query(view, ["message_id", "channel", "intent", "urgency", "summary"])
@@ -299,11 +308,47 @@ def status(
 
 
 @app.command()
+def estimate(
+    job_file: Annotated[Path, typer.Argument(help="The job file (TOML).")],
+    backend: Annotated[
+        str | None,
+        typer.Option(help="emulator | openai | anthropic | vllm (overrides the job file)."),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Quote a run before paying: rows, requests, cache hits, tokens and the cost on every
+    priced backend, next to the budget. Sends nothing and creates no run or state file."""
+    import orjson
+
+    from lowtide.jobspec import load_job
+    from lowtide.settings import Settings
+
+    job = load_job(job_file, backend)
+    _prefect_env()  # the stage modules import Prefect (for their @task); keep it offline
+    from tasks.estimate import estimate_job
+
+    quote = estimate_job(job, Settings(), backend)
+    if as_json:
+        print(orjson.dumps(quote, option=orjson.OPT_INDENT_2).decode())
+        return
+    render.estimate(quote)
+
+
+@app.command()
 def emulator(
     port: Annotated[int, typer.Option(help="Port for the OpenAI/Anthropic emulator.")] = 8765,
     faults: Annotated[str, typer.Option(help="Fault rules, see docs/emulator.md.")] = "",
     time_scale: Annotated[float, typer.Option(help="Simulated seconds per real second.")] = 60.0,
     engines: Annotated[int, typer.Option(help="Also start N emulated vLLM engines.")] = 0,
+    served_model_name: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="NAME",
+            help="Model names the vLLM engines answer to, as vLLM's flag of that name (repeat it "
+            "or separate with commas; default: emulated-model and qwen2.5-7b-instruct, the "
+            "sample job's vLLM model). Other names get vLLM's 404.",
+        ),
+    ] = None,
     seed: Annotated[int, typer.Option(help="Seed for shuffling, errors and broken answers.")] = 0,
     malformed_rate: Annotated[float, typer.Option(help="Share of broken answers.")] = 0.0,
     error_rate: Annotated[float, typer.Option(help="Share of per-request provider errors.")] = 0.01,
@@ -320,13 +365,24 @@ def emulator(
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
+    from lowtide.emulator.vllm import DEFAULT_SERVED_MODEL_NAMES, served_model_names
+
+    if served_model_name and not engines:
+        raise _fail("--served-model-name names what the vLLM engines serve; add --engines N")
+    try:
+        names = served_model_names(served_model_name or DEFAULT_SERVED_MODEL_NAMES)
+    except ValueError as e:
+        raise _fail(f"--served-model-name: {e}") from e
     pool = None
     if engines:
         from lowtide.emulator.vllm_pool import start_engines
 
-        pool = start_engines(engines)
-        console.print(f"{engines} emulated vLLM engine(s):")
-        console.print(f"  export LOWTIDE_VLLM_URLS={','.join(pool.urls)}")
+        pool = start_engines(engines, served_model_name=names)
+        console.print(
+            f"{engines} emulated vLLM engine(s) serving {escape(', '.join(names))}:",
+            soft_wrap=True,
+        )
+        console.print(f"  export LOWTIDE_VLLM_URLS={','.join(pool.urls)}", soft_wrap=True)
     try:
         serve(
             port=port,
@@ -400,9 +456,9 @@ def main() -> None:
     try:
         app()
     except duckdb.Error as e:
-        err_console.print(
-            f"[bold red]error:[/] the state file refused an operation: {escape(str(e))}. If it "
-            "persists, report it with the output of `lowtide status --json`."
+        render.error_line(
+            f"the state file refused an operation: {e}. If it persists, report it with the "
+            "output of `lowtide status --json`."
         )
         raise SystemExit(2) from e
 

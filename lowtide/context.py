@@ -107,7 +107,7 @@ def run_context(
         yield RunContext(
             job=job,
             backend=entry.name,
-            connection=Connection(emulator_url=url),
+            connection=Connection(emulator_url=url, api_key_block=job.model.api_key_block),
             price=price,
             state_path=str(settings.state),
             db_path=str(settings.db),

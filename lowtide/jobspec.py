@@ -86,6 +86,9 @@ class ModelSpec(_Strict):
     temperature: float = 0.0
     max_tokens: int = Field(256, ge=1)
     extra_body: dict[str, Any] = Field(default_factory=dict)
+    api_key_block: str | None = Field(None, min_length=1)
+    """A Prefect Secret block holding the provider key, read when the key's variable
+    (OPENAI_API_KEY, ANTHROPIC_API_KEY) is unset; the block's name, never the key."""
 
 
 class QaSpec(_Strict):
@@ -130,6 +133,7 @@ class PoolSpec(_Strict):
     request_timeout_s: float = Field(600.0, gt=0)
     gpu_hour_usd: float | None = None  # prices a pool run by GPU time
     gpus: int = Field(1, ge=1)  # GPUs behind the pool, for the GPU-hour price
+    tokens_per_s: float | None = Field(None, gt=0)  # output tokens/s per server (estimate)
 
 
 class JobSpec(_Strict):

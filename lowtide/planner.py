@@ -55,6 +55,10 @@ DEFAULT_OVERHEAD_GB = 2.0
 MAX_SEQS_CAP = 1024
 MIN_BATCHED_TOKENS = 8192
 MAX_BATCHED_TOKENS = 65536
+DEFAULT_TOKENS_PER_S = 2500.0
+"""Output tokens per second of one server assumed when nothing measured is given (`lowtide
+estimate` without `[pool] tokens_per_s`): the figure docs/vllm.md plans an 8B model on one 80 GB
+GPU with. Measure yours with a pilot run (`PoolStats.output_tokens_per_s` / servers)."""
 
 
 @dataclass(frozen=True)
@@ -341,8 +345,9 @@ def plan_command(
             price_table=price_table,
         )
     except PlanError as exc:
-        Console(stderr=True).print(f"[bold red]error:[/] {exc}")
-        raise typer.Exit(2) from exc
+        from lowtide import render
+
+        raise typer.Exit(render.error(exc)) from exc  # one line on stderr, exit 2
     table = Table(
         title=f"vLLM server: {model_params_b:g}B on {tensor_parallel} x {gpu_memory_gb:g} GiB"
     )

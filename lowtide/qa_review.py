@@ -44,7 +44,7 @@ def import_verdicts(store: Store, path: Path) -> dict[str, dict[str, float]]:
     if not path.is_file():
         raise ReviewFileError(f"{path}: file not found")
     try:
-        review = pl.read_csv(path, infer_schema=False)
+        review = pl.read_csv(path, infer_schema=False, glob=False)  # a path, not a pattern
     except pl.exceptions.PolarsError as e:
         raise ReviewFileError(f"{path}: not a readable CSV: {e}") from e
     missing = {"run_id", "unit_id", "verdict", "correct_value"} - set(review.columns)

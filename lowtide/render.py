@@ -1,8 +1,9 @@
 """What the CLI prints: run summaries, status tables, query results and one-line errors.
 
 Rich wraps text at 80 columns when stdout is not a terminal, so error lines that carry paths are
-printed with `soft_wrap` and never wrapped; provider and user text is escaped (Rich would read
-`[cost]` as markup).
+printed with `soft_wrap` and never wrapped, and `error_line` joins a message's own line breaks
+(a DuckDB or Polars error's context) into one line. Provider, user and query text is printed as
+`Text`, never parsed: Rich would read `[cost]` as markup and `:smile:` as an emoji.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from lowtide.errors import LowtideError
 
@@ -91,9 +93,9 @@ def published_query(query: str, db: Path) -> None:
         return
     t = Table(show_lines=False)
     for c in cols:
-        t.add_column(c, no_wrap=True, overflow="ellipsis", max_width=32)
-    for r in rows:
-        t.add_row(*["" if v is None else " ".join(str(v).split())[:200] for v in r])
+        t.add_column(Text(c), no_wrap=True, overflow="ellipsis", max_width=32)
+    for r in rows:  # Text: values are shown as stored, never read as markup or emoji codes
+        t.add_row(*[Text("" if v is None else " ".join(str(v).split())[:200]) for v in r])
     console.print(t)
     if len(rows) == 200:
         console.print("(first 200 rows shown)")
@@ -136,11 +138,77 @@ def status_tables(records: list[dict[str, Any]], one_run: bool) -> None:
             )
 
 
+def estimate(q: dict[str, Any]) -> None:
+    """A quote (`tasks.estimate.estimate_job`): what would be sent, its cost on every backend
+    whose price is known, next to the budget; the assumptions and unpriced backends as notes."""
+    t = Table(title=f"estimate {q['job']} — {q['backend']} ({q['model']})", show_header=False)
+    t.add_column(style="bold")
+    t.add_column(justify="right")
+    est, budget = q.get("estimate_usd"), q.get("budget_usd")
+    for k, v in (
+        ("rows", f"{q['rows']:,}"),
+        ("units (after chunking)", f"{q['units']:,}"),
+        ("unique requests (incl. eval set)", f"{q['unique_requests']:,}"),
+        ("answered by earlier runs (cache)", f"{q['cache_hits']:,}"),
+        ("in a live batch (attached)", f"{q['in_flight']:,}"),
+        ("requests to send", f"{q['requests_to_send']:,}"),
+        ("input tokens (est.)", f"{q['input_tokens']:,}"),
+        (
+            "output tokens (est.)",
+            f"{q['output_tokens']:,} ({q['output_tokens_per_request']:.1f}/request, "
+            f"{q['output_tokens_source']})",
+        ),
+        ("estimate", "no price" if est is None else f"${est:.4f}"),
+        ("budget ([cost] budget_usd)", "none" if budget is None else f"${budget:g}"),
+    ):
+        t.add_row(escape(k), escape(v))
+    console.print(t)
+    b = Table("backend", "model", "batch $", "realtime $", title="on every priced backend")
+    for name, cost in q["by_backend"].items():
+        if isinstance(cost, dict):
+            batch, realtime = f"{cost['batch_usd']:.4f}", f"{cost['realtime_usd']:.4f}"
+            b.add_row(name, cost["model"], batch, realtime)
+        else:
+            b.add_row(name, "(GPU time)", f"{cost:.4f}", "")
+    console.print(b)
+    for name, why in q.get("skipped", {}).items():
+        console.print(f"not priced: {escape(name)}: {escape(why)}", soft_wrap=True)
+    for note in q.get("assumptions", []):
+        console.print(f"assumed: {escape(note)}", soft_wrap=True)
+    if q.get("over_budget"):
+        err_console.print(
+            f"[bold yellow]over budget:[/] a run would be refused; raise {escape('[cost]')} "
+            "budget_usd in the job file or run fewer rows"
+        )
+
+
+def one_line(text: str) -> str:
+    """`text` with its line breaks (and the indentation after them) joined by single spaces."""
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def error_line(message: str, label: str = "error:", style: str = "bold red") -> None:
+    """`label message` as exactly one line on stderr, the message printed literally."""
+    err_console.print(Text.assemble((label, style), " ", one_line(message)))
+
+
 def error(exc: BaseException) -> int:
     """Print a lowtide error (or each error of a group) as one line; returns the exit code."""
     if isinstance(exc, BaseExceptionGroup):
-        err_console.print(f"[bold red]error:[/] {escape(exc.message)}")
+        error_line(exc.message)
         return max(error(inner) for inner in exc.exceptions)
     where = "".join(f" ({note})" for note in getattr(exc, "__notes__", []))
-    err_console.print(f"[bold red]error:[/] {escape(str(exc))}{escape(where)}")
+    error_line(f"{exc}{where}")
     return exc.exit_code if isinstance(exc, LowtideError) else 1
+
+
+def every_row_failed(s: dict[str, Any]) -> str:
+    """The one line that says a run ended with no row answered, and the main reason why."""
+    head = f"every row of run {s['run_id']} failed ({s.get('failed')} of {s.get('rows')})"
+    top = s.get("main_failure")
+    if not top:
+        return head
+    detail = one_line(str(top.get("detail") or ""))
+    detail = detail if len(detail) <= 300 else detail[:297] + "..."
+    reason = f"{top['reason']} ({top['rows']} rows)" + (f": {detail}" if detail else "")
+    return f"{head}; main reason: {reason} (every row's reason is in the failures table)"

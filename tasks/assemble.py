@@ -277,9 +277,11 @@ def assemble_task(ctx: RunContext, run_id: str, deduped: dict) -> dict:
     by_realtime = urgent.len() if ctx.entry.has_realtime else 0
     estimate = estimate_usd(job, est_in, requests.height, by_realtime, ctx.price.per_mtok())
     if job.cost.budget_usd is not None and estimate > job.cost.budget_usd:
+        store.record_estimate(run_id, estimate)  # the refused run keeps what it would have cost
         raise BudgetExceededError(
-            f"job {job.name!r}: estimated cost ${estimate:.2f} for {requests.height} requests "
-            f"exceeds the budget ${job.cost.budget_usd:.2f} ([cost] budget_usd); nothing was sent"
+            f"job {job.name!r}: estimated cost ${estimate:.4f} for {requests.height} requests "
+            f"exceeds the budget ${job.cost.budget_usd:g}; nothing was sent. Raise [cost] "
+            f"budget_usd in {job.source_path} or run fewer rows (`lowtide estimate` quotes a run)"
         )
     if by_realtime:
         # the urgent requests' realtime batch is part of the same write-ahead manifest

@@ -14,6 +14,7 @@ import polars as pl
 from prefect import task
 
 from lowtide.context import RunContext
+from lowtide.jobspec import JobSpec
 from lowtide.runlog import stage_log
 from lowtide.tokens import count_tokens, encode, get_encoding
 
@@ -125,24 +126,21 @@ def chunk_units(
     )
 
 
-@task(name="chunk", task_run_name="chunk-{run_id}")
-def chunk_task(ctx: RunContext, run_id: str, loaded: dict) -> dict:
-    """Rows and eval rows → units, written to the run's work dir."""
-    started = time.perf_counter()
-    job = ctx.job
+def job_units(job: JobSpec, rows: pl.DataFrame, evals: pl.DataFrame | None) -> pl.DataFrame:
+    """A run's units: the input rows chunked as `[chunk]` says, then the eval set's rows (if
+    any) without their gold columns, truncated to one unit each (`kind = 'eval'`)."""
     c = job.chunk
     parts = [
         chunk_units(
-            pl.read_parquet(loaded["sources"]),
+            rows,
             max_tokens=c.max_tokens,
             overlap=c.overlap_tokens,
             mode=c.mode,
             encoding=c.encoding,
         )
     ]
-    if loaded.get("eval"):
+    if evals is not None:
         gold = [f for f in job.output_schema.get("properties", {})]
-        evals = pl.read_parquet(loaded["eval"])
         evals = evals.drop([g for g in gold if g in evals.columns and g not in job.input.columns])
         parts.append(
             chunk_units(
@@ -154,7 +152,17 @@ def chunk_task(ctx: RunContext, run_id: str, loaded: dict) -> dict:
                 kind="eval",
             )
         )
-    units = pl.concat(parts, how="diagonal_relaxed")
+    return pl.concat(parts, how="diagonal_relaxed")
+
+
+@task(name="chunk", task_run_name="chunk-{run_id}")
+def chunk_task(ctx: RunContext, run_id: str, loaded: dict) -> dict:
+    """Rows and eval rows → units, written to the run's work dir."""
+    started = time.perf_counter()
+    job = ctx.job
+    c = job.chunk
+    evals = pl.read_parquet(loaded["eval"]) if loaded.get("eval") else None
+    units = job_units(job, pl.read_parquet(loaded["sources"]), evals)
     path = ctx.work_dir(run_id) / "units.parquet"
     units.write_parquet(path)
     n_units = units.filter(pl.col("kind") == "row").height

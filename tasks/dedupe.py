@@ -14,6 +14,7 @@ import polars as pl
 from prefect import task
 
 from lowtide.context import RunContext
+from lowtide.jobspec import JobSpec
 from lowtide.runlog import stage_log
 from lowtide.store.compute import sha256_hex
 from tasks.load import PRIORITY
@@ -76,12 +77,10 @@ def unique_requests(keyed: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-@task(name="dedupe", task_run_name="dedupe-{run_id}")
-def dedupe_task(ctx: RunContext, run_id: str, chunked: dict) -> dict:
-    """Units → unique requests; saves the run's units and writes what is left to send."""
-    started = time.perf_counter()
-    job = ctx.job
-    units = pl.read_parquet(chunked["units"])
+def key_units(job: JobSpec, units: pl.DataFrame, run_id: str) -> pl.DataFrame:
+    """`request_keys` for a run's units: row units under the job's prompt fingerprint, eval
+    units under one that carries `run_id` when `[qa] eval_every_run` (never a cache hit); an
+    empty unit gets custom_id "" (no request: it ends as a failed row with a reason)."""
     fingerprint = job.prompt_fingerprint()
     rows = units.filter(pl.col("kind") == "row")
     evals = units.filter(pl.col("kind") == "eval")
@@ -95,13 +94,20 @@ def dedupe_task(ctx: RunContext, run_id: str, chunked: dict) -> dict:
         ],
         how="diagonal_relaxed",
     )
-    # empty units have no request: they end as failed rows with a reason
-    keyed = keyed.with_columns(
+    return keyed.with_columns(
         pl.when(pl.col("text").str.len_bytes() > 0)
         .then(pl.col("custom_id"))
         .otherwise(pl.lit(""))
         .alias("custom_id")
     )
+
+
+@task(name="dedupe", task_run_name="dedupe-{run_id}")
+def dedupe_task(ctx: RunContext, run_id: str, chunked: dict) -> dict:
+    """Units → unique requests; saves the run's units and writes what is left to send."""
+    started = time.perf_counter()
+    job = ctx.job
+    keyed = key_units(job, pl.read_parquet(chunked["units"]), run_id)
     uniq = unique_requests(keyed)
     store = ctx.store
     known = store.known_outcomes(uniq["custom_id"])

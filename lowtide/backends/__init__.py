@@ -28,6 +28,9 @@ class Connection:
 
     emulator_url: str | None = None
     """Base URL of lowtide's emulator (for the `emulator` backend)."""
+    api_key_block: str | None = None
+    """The Prefect Secret block holding the provider key when its variable is unset (the job's
+    `[model] api_key_block`); the name only, never the key."""
 
 
 @dataclass(frozen=True)
@@ -115,16 +118,16 @@ def _emulator_v1(connection: Connection) -> str:
     return connection.emulator_url.rstrip("/") + "/v1"
 
 
-def _openai_batch(_: Connection) -> Backend:
+def _openai_batch(connection: Connection) -> Backend:
     from lowtide.backends import openai_batch
 
-    return openai_batch.from_environment()
+    return openai_batch.from_environment(api_key_block=connection.api_key_block)
 
 
-def _openai_realtime(_: Connection) -> Any:
+def _openai_realtime(connection: Connection) -> Any:
     from lowtide.backends import openai_batch
 
-    return openai_batch.realtime_client_from_environment()
+    return openai_batch.realtime_client_from_environment(api_key_block=connection.api_key_block)
 
 
 def _emulator_batch(connection: Connection) -> Backend:
@@ -139,16 +142,16 @@ def _emulator_realtime(connection: Connection) -> Any:
     return openai_batch.realtime_client_for_base_url(_emulator_v1(connection))
 
 
-def _anthropic_batch(_: Connection) -> Backend:
+def _anthropic_batch(connection: Connection) -> Backend:
     from lowtide.backends import anthropic_batch
 
-    return anthropic_batch.from_environment()
+    return anthropic_batch.from_environment(api_key_block=connection.api_key_block)
 
 
-def _anthropic_realtime(_: Connection) -> Any:
+def _anthropic_realtime(connection: Connection) -> Any:
     from lowtide.backends import anthropic_batch
 
-    return anthropic_batch.realtime_client_from_environment()
+    return anthropic_batch.realtime_client_from_environment(api_key_block=connection.api_key_block)
 
 
 REGISTRY: dict[str, BackendEntry] = {
@@ -214,6 +217,10 @@ def backend_entry(name: str) -> BackendEntry:
     return entry
 
 
-def make_backend(name: str, *, emulator_url: str | None = None) -> Backend:
-    """The batch client of backend `name` (`emulator_url`: the emulator's base URL)."""
-    return backend_entry(name).batch_client(Connection(emulator_url=emulator_url))
+def make_backend(
+    name: str, *, emulator_url: str | None = None, api_key_block: str | None = None
+) -> Backend:
+    """The batch client of backend `name` (`emulator_url`: the emulator's base URL;
+    `api_key_block`: the Prefect Secret block to read the key from when its variable is unset)."""
+    connection = Connection(emulator_url=emulator_url, api_key_block=api_key_block)
+    return backend_entry(name).batch_client(connection)

@@ -478,17 +478,19 @@ def _counts(batch: Any) -> dict[str, int]:
     }
 
 
-def from_environment(structured_output: str | None = None) -> AnthropicBatchBackend:
+def from_environment(
+    structured_output: str | None = None, api_key_block: str | None = None
+) -> AnthropicBatchBackend:
     """The real Anthropic backend; honours ANTHROPIC_API_KEY and ANTHROPIC_BASE_URL like the
-    SDK does."""
-    key = require_key("anthropic", "ANTHROPIC_API_KEY")
+    SDK does, the key coming from the Prefect Secret block `api_key_block` when unset."""
+    key = require_key("anthropic", "ANTHROPIC_API_KEY", api_key_block)
     return AnthropicBatchBackend(anthropic.Anthropic(api_key=key), structured_output)
 
 
-def realtime_client_from_environment() -> anthropic.Anthropic:
+def realtime_client_from_environment(api_key_block: str | None = None) -> anthropic.Anthropic:
     """A messages client for the realtime path, with the SDK's own retries off: the realtime
-    path retries with tenacity."""
-    key = require_key("anthropic", "ANTHROPIC_API_KEY")
+    path retries with tenacity. The key as for `from_environment`."""
+    key = require_key("anthropic", "ANTHROPIC_API_KEY", api_key_block)
     return anthropic.Anthropic(api_key=key, max_retries=0)
 
 

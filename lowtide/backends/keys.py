@@ -1,8 +1,12 @@
 """Provider keys: the one helper that reads them, and the one message when one is missing.
 
-The SDKs read their own base-URL variables (OPENAI_BASE_URL, ANTHROPIC_BASE_URL); lowtide only
-checks that a key is there before it builds a client, so a missing key is one clear line before
-anything is sent, never an SDK traceback halfway through a run.
+A key comes from its environment variable or, when that is unset and the job names one
+(`[model] api_key_block`), from a Prefect Secret block, so a deployment's worker needs no key in
+its environment. The SDKs read their own base-URL variables (OPENAI_BASE_URL,
+ANTHROPIC_BASE_URL); lowtide only checks that a key is there before it builds a client, so a
+missing key is one clear line before anything is sent, never an SDK traceback halfway through a
+run. The key itself is returned to the client factory and nowhere else: no message, log line or
+stored value carries it.
 """
 
 from __future__ import annotations
@@ -12,14 +16,43 @@ import os
 from lowtide.errors import TerminalBackendError
 
 
-def require_key(backend: str, variable: str) -> str:
-    """The key in `variable`, or TerminalBackendError saying where lowtide looked."""
+def require_key(backend: str, variable: str, block: str | None = None) -> str:
+    """The key in `variable`, else the value of the Prefect Secret block named `block` (when
+    given); TerminalBackendError naming both places when neither has one."""
     value = os.environ.get(variable)
-    if not value:
+    if value:
+        return value
+    if not block:
         raise TerminalBackendError(
             f"No API key for backend {backend!r}: set {variable} (looked in: environment). "
-            "For a dry run without keys use --backend emulator.",
+            "For a dry run without keys use --backend emulator; to read the key from a Prefect "
+            "Secret block instead, name it in the job file's [model] api_key_block.",
             backend=backend,
             operation="config",
         )
-    return value
+    value, why = _from_secret_block(block)
+    if value:
+        return value
+    raise TerminalBackendError(
+        f"No API key for backend {backend!r}: set {variable} or save the key in the Prefect "
+        f"Secret block {block!r} (looked in: environment, Prefect Secret block {block!r}: {why}).",
+        backend=backend,
+        operation="config",
+    )
+
+
+def _from_secret_block(block: str) -> tuple[str | None, str]:
+    """(the key, "") from the Secret block, or (None, why not). Prefect errors other than a
+    missing block propagate: they are about Prefect, not the key."""
+    from prefect.blocks.system import Secret
+
+    try:
+        secret: Secret[str] = Secret.load(block, _sync=True)  # type: ignore[assignment,call-arg]
+    except ValueError:  # Prefect: "Unable to find block document named …"
+        return None, "no such block"
+    value = secret.value.get_secret_value()  # as saved: `get()` would parse "123" as JSON
+    if not isinstance(value, str):
+        return None, "it holds a JSON value, not a key string"
+    if not value.strip():
+        return None, "it is empty"
+    return value.strip(), ""

@@ -308,15 +308,18 @@ class OpenAIBatchBackend:
         self._call("cancel", lambda: self.client.batches.cancel(provider_batch_id))
 
 
-def from_environment() -> OpenAIBatchBackend:
-    """The real OpenAI backend; honours OPENAI_API_KEY and OPENAI_BASE_URL like the SDK does."""
-    return OpenAIBatchBackend(openai.OpenAI(api_key=require_key("openai", "OPENAI_API_KEY")))
+def from_environment(api_key_block: str | None = None) -> OpenAIBatchBackend:
+    """The real OpenAI backend; honours OPENAI_API_KEY and OPENAI_BASE_URL like the SDK does,
+    the key coming from the Prefect Secret block `api_key_block` when OPENAI_API_KEY is unset."""
+    key = require_key("openai", "OPENAI_API_KEY", api_key_block)
+    return OpenAIBatchBackend(openai.OpenAI(api_key=key))
 
 
-def realtime_client_from_environment() -> openai.OpenAI:
+def realtime_client_from_environment(api_key_block: str | None = None) -> openai.OpenAI:
     """A chat-completions client for the realtime path, with the SDK's own retries off: the
-    realtime path retries with tenacity."""
-    return openai.OpenAI(api_key=require_key("openai", "OPENAI_API_KEY"), max_retries=0)
+    realtime path retries with tenacity. The key as for `from_environment`."""
+    key = require_key("openai", "OPENAI_API_KEY", api_key_block)
+    return openai.OpenAI(api_key=key, max_retries=0)
 
 
 def realtime_client_for_base_url(base_url: str, api_key: str = "emulator") -> openai.OpenAI:

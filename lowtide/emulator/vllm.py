@@ -7,8 +7,13 @@ Routes (shapes follow vLLM 0.33, see shared/reference/provider-apis.md §3):
   the engine model has generated it, so how many requests a client keeps in flight decides the
   throughput it gets. `guided_*` fields are ignored, as in vLLM >= 0.12. `stream` and `n > 1` are
   refused with 400 (emulator limits).
-- `GET /v1/models`, `GET /health` (200 empty, 503 while the engine is dead), `GET /metrics`
-  (Prometheus text with vLLM's names and `model_name`/`engine` labels).
+- `GET /v1/models` (every served name), `GET /health` (200 empty, 503 while the engine is
+  dead), `GET /metrics` (Prometheus text with vLLM's names and `model_name`/`engine` labels).
+
+A server answers to every name it serves (vLLM's `--served-model-name a b`) and names the first
+in responses and metrics; any other model is vLLM's 404. By default it serves
+`DEFAULT_SERVED_MODEL_NAMES`: the emulator's own name and the sample job's vLLM model id, so the
+sample job runs against it unchanged.
 - Admin: `POST /_emulator/kill`, `POST /_emulator/revive`, `GET /_emulator/stats` (JSON).
 
 Errors use vLLM's envelope `{"error": {"message", "type", "param", "code"}}` with the integer
@@ -33,7 +38,7 @@ import argparse
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 import orjson
@@ -59,9 +64,22 @@ from lowtide.emulator.vllm_chat import (
 )
 from lowtide.emulator.vllm_metrics import render_metrics, stats_dict
 
-__all__ = ["CUSTOM_ID_HEADER", "create_vllm_app", "main", "render_metrics", "stats_dict"]
+__all__ = [
+    "CUSTOM_ID_HEADER",
+    "DEFAULT_SERVED_MODEL_NAMES",
+    "create_vllm_app",
+    "main",
+    "render_metrics",
+    "served_model_names",
+    "stats_dict",
+]
 
 CUSTOM_ID_HEADER = "x-lowtide-custom-id"
+DEFAULT_SERVED_MODEL_NAMES = ("emulated-model", "qwen2.5-7b-instruct")
+"""The names an emulated server answers to unless told otherwise: the emulator's own, first (it
+names responses and metrics), and the sample job's `[model] names.vllm`
+(data/jobs/support-intents.toml), so `lowtide run` of the sample job with `--backend vllm` works
+against `lowtide emulator --engines N` as it is."""
 _AUTH_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 _JSON = "application/json"
 
@@ -84,10 +102,24 @@ class _ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+def served_model_names(names: str | Iterable[str]) -> tuple[str, ...]:
+    """Served model names from a name, a comma-separated list or several of either, in order,
+    without repeats; ValueError when none is left."""
+    given = [names] if isinstance(names, str) else list(names)
+    out: list[str] = []
+    for item in given:
+        for name in item.split(","):
+            if name.strip() and name.strip() not in out:
+                out.append(name.strip())
+    if not out:
+        raise ValueError("served model names: give at least one name")
+    return tuple(out)
+
+
 def create_vllm_app(
     config: EngineConfig | None = None,
     *,
-    served_model_name: str = "emulated-model",
+    served_model_name: str | Sequence[str] = DEFAULT_SERVED_MODEL_NAMES,
     ledger: BillingLedger | None = None,
     api_key: str | None = None,
     engine_label: str = "0",
@@ -96,7 +128,8 @@ def create_vllm_app(
     seed: int = 0,
     enable_prompt_tokens_details: bool = False,
 ) -> FastAPI:
-    """A FastAPI app that behaves like one `vllm serve` of `served_model_name`.
+    """A FastAPI app that behaves like one `vllm serve` of `served_model_name`: one name, a
+    comma-separated list or a sequence of them (the first names responses and metrics).
 
     The engine lives in `app.state.engine` and runs on the server's event loop (its scheduler
     starts with the first request). `malformed_rate`, `seed` and `model_version` go to the
@@ -105,7 +138,9 @@ def create_vllm_app(
     config = config or EngineConfig()
     engine = Engine(config)
     created = int(time.time())
-    labels = f'engine="{engine_label}",model_name="{served_model_name}"'
+    names = served_model_names(served_model_name)
+    primary = names[0]
+    labels = f'engine="{engine_label}",model_name="{primary}"'
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -116,7 +151,8 @@ def create_vllm_app(
     app.state.engine = engine
     app.state.config = config
     app.state.ledger = ledger
-    app.state.served_model_name = served_model_name
+    app.state.served_model_name = primary
+    app.state.served_model_names = names
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
 
@@ -128,7 +164,7 @@ def create_vllm_app(
             return error_response(400, f"Request body is not valid JSON: {exc}", "BadRequestError")
         if not isinstance(body, dict):
             return error_response(400, "Request body must be a JSON object", "BadRequestError")
-        parsed = parse_chat(body, served_model_name)
+        parsed = parse_chat(body, names)
         if isinstance(parsed, Response):
             return parsed
         messages, schema, max_tokens = parsed
@@ -138,7 +174,7 @@ def create_vllm_app(
             messages,
             schema=schema,
             max_tokens=max_tokens,
-            model=served_model_name,
+            model=primary,
             model_version=model_version,
             malformed_rate=malformed_rate,
             seed=seed,
@@ -173,7 +209,7 @@ def create_vllm_app(
             ledger.record(
                 provider="vllm",
                 kind="realtime",
-                model=served_model_name,
+                model=primary,
                 input_tokens=prompt_tokens,
                 cached_input_tokens=result.cached_tokens,
                 output_tokens=completion_tokens,
@@ -182,7 +218,7 @@ def create_vllm_app(
         details = {"cached_tokens": result.cached_tokens} if enable_prompt_tokens_details else None
         return json_response(
             chat_completion(
-                served_model_name,
+                primary,
                 answer.text,
                 answer.finish_reason,
                 prompt_tokens,
@@ -198,11 +234,11 @@ def create_vllm_app(
                 "object": "list",
                 "data": [
                     {
-                        "id": served_model_name,
+                        "id": name,
                         "object": "model",
                         "created": created,
                         "owned_by": "vllm",
-                        "root": served_model_name,
+                        "root": primary,
                         "parent": None,
                         "max_model_len": config.max_model_len,
                         "permission": [
@@ -222,6 +258,7 @@ def create_vllm_app(
                             }
                         ],
                     }
+                    for name in names
                 ],
             }
         )
@@ -259,7 +296,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Run one emulated vLLM server (no GPU).")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default="emulated-model")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=list(DEFAULT_SERVED_MODEL_NAMES),
+        help="names the server answers to (space- or comma-separated); the first names responses",
+    )
     p.add_argument("--api-key", default=None)
     p.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)

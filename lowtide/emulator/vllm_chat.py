@@ -85,14 +85,17 @@ def engine_dead_response() -> Response:
 
 
 def parse_chat(
-    body: dict[str, Any], served: str
+    body: dict[str, Any], served: str | Sequence[str]
 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None, int | None] | Response:
-    """Validate a chat request; return (messages, schema, max_tokens) or an error response."""
+    """Validate a chat request; return (messages, schema, max_tokens) or an error response.
+    `served` is the served model name, or every name the server answers to (vLLM's
+    `--served-model-name a b`): a request naming another model gets vLLM's 404."""
+    names = (served,) if isinstance(served, str) else tuple(served)
     requested = body.get("model")
-    if requested is not None and requested != served:
+    if requested is not None and requested not in names:
         return error_response(
             404,
-            f"The model `{requested}` does not exist. Valid aliases: {served}.",
+            f"The model `{requested}` does not exist. Valid aliases: {', '.join(names)}.",
             "NotFoundError",
             "model",
         )

@@ -23,7 +23,7 @@ from fastapi import FastAPI
 from lowtide.emulator.engine import Engine, EngineConfig
 from lowtide.emulator.ledger import BillingLedger
 from lowtide.emulator.server import NoDelayH11Protocol
-from lowtide.emulator.vllm import create_vllm_app
+from lowtide.emulator.vllm import DEFAULT_SERVED_MODEL_NAMES, create_vllm_app
 
 _START_TIMEOUT_S = 10.0
 
@@ -149,7 +149,7 @@ def start_engines(
     config: EngineConfig | None = None,
     ports: Sequence[int] | None = None,
     *,
-    served_model_name: str = "emulated-model",
+    served_model_name: str | Sequence[str] = DEFAULT_SERVED_MODEL_NAMES,
     ledger: BillingLedger | None = None,
     api_key: str | None = None,
     host: str = "127.0.0.1",
@@ -157,7 +157,9 @@ def start_engines(
     """Start `n` emulated vLLM servers with the same engine config on `host`.
 
     `ports` gives one port per server (default: free ports chosen by the OS). Every server
-    records into the same `ledger` when one is given. If one fails to start, those already
+    answers to `served_model_name` (one name or several, the first naming responses; by default
+    the emulator's own and the sample job's vLLM model id) and records into the same `ledger`
+    when one is given. If one fails to start, those already
     started are shut down and the error is raised."""
     if n < 1:
         raise ValueError(f"start_engines needs n >= 1, got {n}")

@@ -54,6 +54,20 @@ class ReportsStore(PublishingStore):
         )
         return dict(rows.iter_rows())
 
+    def main_failure(self, run_id: str) -> dict[str, Any] | None:
+        """The reason most failed input rows of the run share, with its most frequent detail
+        and how many rows it took ({reason, detail, rows}); None when no row failed."""
+        rows = self._query(
+            "SELECT reason, detail, sum(count(*)) OVER (PARTITION BY reason) AS rows "
+            "FROM failures WHERE run_id = ? AND kind = 'row' GROUP BY reason, detail "
+            "ORDER BY rows DESC, count(*) DESC, reason, detail NULLS LAST LIMIT 1",
+            [run_id],
+        )
+        if not rows.height:
+            return None
+        top = rows.row(0, named=True)
+        return {**top, "rows": int(top["rows"])}
+
     def eval_by_field(self, run_id: str) -> dict[str, float | None]:
         rows = self._query(
             "SELECT field, accuracy FROM eval_scores WHERE run_id = ? ORDER BY field", [run_id]
@@ -89,6 +103,7 @@ class ReportsStore(PublishingStore):
             **self.unit_counts(run_id),
             "metrics": self.run_metrics(run_id),
             "failures_by_reason": self.failures_by_reason(run_id),
+            "main_failure": self.main_failure(run_id),
             "eval_by_field": self.eval_by_field(run_id),
             "eval_previous_by_field": dict(
                 self.previous_eval_scores(run["job"], run_id).iter_rows()
@@ -174,6 +189,16 @@ class ReportsStore(PublishingStore):
         with self._connect() as con:
             con.execute(f"COPY ({sql}) TO {literal(str(target))} {_COPY_FORMAT[fmt]}")
             return int(con.execute(f"SELECT count(*) FROM ({sql})").fetchall()[0][0])
+
+    def observed_output_tokens(self, job: str) -> dict[str, Any]:
+        """Output tokens the provider billed per request in the job's earlier runs (every result
+        with a token count, re-asks included): `mean` (None without any), `requests`, `runs`."""
+        return self._query(
+            "SELECT avg(r.output_tokens)::DOUBLE AS mean, count(*) AS requests, "
+            "count(DISTINCT r.run_id) AS runs FROM results r JOIN requests q USING (custom_id) "
+            "WHERE q.job = ? AND r.output_tokens IS NOT NULL AND r.output_tokens > 0",
+            [job],
+        ).row(0, named=True)
 
     def last_published_run(self, job: str) -> str | None:
         return self._scalar(

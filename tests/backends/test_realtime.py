@@ -1,8 +1,9 @@
 """The realtime path, through both real SDKs over real HTTP to the emulator.
 
 The emulator is served behind a small ASGI meter that counts the realtime calls that reach the
-server and how many are in flight at once (holding each for a moment, so that calls overlap
-when the client lets them).
+server and how many are in flight at once. It can hold calls at a gate until a given number
+are in flight at once (so a cap is shown to be reached by what the server saw, not by timing)
+and hold each for a moment after, so that a client over its cap would be caught.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import jsonschema
 import openai
 import orjson
 import pytest
+import tenacity
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lowtide.backends import anthropic_batch, openai_batch, realtime
@@ -32,11 +34,14 @@ REALTIME_PATHS = ("/v1/chat/completions", "/v1/messages")
 
 
 class Meter:
-    """ASGI wrapper: counts calls per realtime path and the most in flight at once."""
+    """ASGI wrapper: counts calls per realtime path and the most in flight at once. With a
+    `gate`, calls wait until that many are in flight at once (then the gate stays open)."""
 
-    def __init__(self, app: ASGIApp, hold_s: float = 0.0) -> None:
+    def __init__(self, app: ASGIApp, hold_s: float = 0.0, gate: int = 0) -> None:
         self.app = app
         self.hold_s = hold_s
+        self.gate = gate
+        self.opened = asyncio.Event()  # bound to the server's loop when first awaited
         self.calls: dict[str, int] = dict.fromkeys(REALTIME_PATHS, 0)
         self.in_flight = 0
         self.max_in_flight = 0
@@ -49,6 +54,10 @@ class Meter:
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
+            if self.gate:
+                if self.in_flight >= self.gate:
+                    self.opened.set()
+                await self.opened.wait()
             if self.hold_s:
                 await asyncio.sleep(self.hold_s)
             await self.app(scope, receive, send)
@@ -86,9 +95,9 @@ def serve() -> Iterator[Any]:
     """Start an emulator behind a Meter; stopped after the test."""
     servers: list[Any] = []
 
-    def start(hold_s: float = 0.0, **overrides: Any) -> Served:
+    def start(hold_s: float = 0.0, gate: int = 0, **overrides: Any) -> Served:
         emu = Emulator(EmulatorConfig(**{**TEST_CONFIG, **overrides}))
-        meter = Meter(emu.app, hold_s)
+        meter = Meter(emu.app, hold_s, gate)
         server = run_in_thread(meter)
         servers.append(server)
         return Served(emu, meter, server.base_url)
@@ -153,19 +162,36 @@ def test_anthropic_forced_tool_mode(serve: Any, job: JobSpec, lines: list[str]) 
     [("openai", "429"), ("openai", "500"), ("anthropic", "429"), ("anthropic", "529")],
 )
 def test_transient_faults_are_retried_by_tenacity(
-    serve: Any, lines: list[str], provider: str, kind: str
+    serve: Any, lines: list[str], provider: str, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     served = serve(retry_after_s=0.2)
     served.set_faults(f"{kind}:POST {PATH[provider]}:3")
-    started = time.monotonic()
+    waits = _record_tenacity_sleeps(monkeypatch)
     frame = realtime.run_realtime(
         lines[:4], provider=provider, client=served.client(provider), concurrency=2
     )
-    elapsed = time.monotonic() - started
     assert set(frame["status"]) == {"answered"}
     assert served.meter.calls[PATH[provider]] == 4 + 3  # each fault cost exactly one more call
     assert len(served.realtime_executions(provider)) == 4  # faults answer before the model runs
-    assert elapsed >= 0.2  # the retry-after hint was waited for
+    # one wait per fault, of the hint (retry-after-ms: 200), not the 0.5 s+ backoff without it
+    assert waits == [0.2, 0.2, 0.2]
+
+
+def _record_tenacity_sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The seconds tenacity's default sleep is asked to wait, in order; it still waits them."""
+    waits: list[float] = []
+
+    class _Time:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(time, name)
+
+        @staticmethod
+        def sleep(seconds: float) -> None:
+            waits.append(seconds)
+            time.sleep(seconds)
+
+    monkeypatch.setattr(tenacity.nap, "time", _Time())
+    return waits
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
@@ -221,12 +247,16 @@ def test_untranslatable_line_is_a_row_not_an_exception(serve: Any, lines: list[s
 
 @pytest.mark.parametrize("provider,cap", [("openai", 3), ("anthropic", 5)])
 def test_concurrency_is_bounded(serve: Any, job: JobSpec, provider: str, cap: int) -> None:
-    served = serve(hold_s=0.05)
+    # The first calls wait at the server until `cap` are in flight at once: a client that
+    # sends fewer at a time never gets past the gate (the suite's timeout fails it), and one
+    # that sends more shows it in the count while the released calls are held for a moment.
+    served = serve(hold_s=0.05, gate=cap)
     many = sample_lines(job, 4 * cap)
     frame = realtime.run_realtime(
         many, provider=provider, client=served.client(provider), concurrency=cap
     )
     assert set(frame["status"]) == {"answered"}
+    assert served.meter.calls[PATH[provider]] == 4 * cap
     assert served.meter.max_in_flight == cap  # reached, never exceeded
 
 

@@ -1,7 +1,9 @@
 """The simulated continuous-batching engine, driven directly (no HTTP).
 
-Most tests run in virtual time (`time_scale=inf`): the scheduler never sleeps, so what is
+The tests run in virtual time (`time_scale=inf`): the scheduler never sleeps, so what is
 asserted are simulated seconds and counters, which do not depend on how busy the machine is.
+Arrivals are paced on the engine's simulated clock too. How the engine paces itself against
+the wall clock is checked with a clock that only its own sleeps move.
 """
 
 from __future__ import annotations
@@ -9,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-import time
+from typing import Any
 
 import pytest
 
+from lowtide.emulator import engine as engine_module
 from lowtide.emulator.engine import (
     Engine,
     EngineConfig,
@@ -59,6 +62,27 @@ async def _closed_loop(
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
     return results
+
+
+async def _open_loop(engine: Engine, n: int, gap_s: float, length: int) -> list[int]:
+    """Open-loop arrivals on the engine's simulated clock (virtual time): a request every
+    `gap_s` simulated seconds. That clock only runs while the engine works, so an idle gap
+    before an arrival is skipped (nothing happens in it). Returns the queue length seen just
+    before each next arrival."""
+    waiting, tasks = [], []
+    start, skipped = engine.stats().sim_seconds, 0.0
+    for k in range(n):
+        tasks.append(asyncio.create_task(engine.generate(prompt_tokens=length, output_tokens=20)))
+        await asyncio.sleep(0)  # the request joins the queue
+        due = start + (k + 1) * gap_s - skipped
+        while (stats := engine.stats()).sim_seconds < due:
+            if not (stats.running or stats.waiting):
+                skipped += due - stats.sim_seconds
+                break
+            await asyncio.sleep(0)  # one engine step
+        waiting.append(engine.stats().waiting)
+    await asyncio.gather(*tasks)
+    return waiting
 
 
 def _sim_rate(engine: Engine) -> float:
@@ -119,32 +143,25 @@ def test_throughput_rises_with_concurrency_and_stays_under_capacity():
 
 
 def test_long_prompts_hold_slots_and_requests_wait():
-    # Open-loop arrivals, one every 10 ms, into 4 slots with a 512-token step budget. Short
-    # prompts are served faster than they arrive; a 4000-token prompt needs 8 prefill steps,
-    # so the same arrival rate outruns the engine and the queue grows.
-    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=512, time_scale=20.0)
+    # Open-loop arrivals, one every 0.2 simulated seconds, into 4 slots with a 512-token step
+    # budget. Short prompts are served faster than they arrive; a 4000-token prompt needs 8
+    # prefill steps, so the same arrival rate outruns the engine and the queue grows.
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=512, time_scale=VIRTUAL)
 
     async def arrivals(engine: Engine, length: int) -> list[int]:
-        waiting, tasks = [], []
-        for _ in range(60):
-            tasks.append(
-                asyncio.create_task(engine.generate(prompt_tokens=length, output_tokens=20))
-            )
-            await asyncio.sleep(0.01)
-            waiting.append(engine.stats().waiting)
-        await asyncio.gather(*tasks)
+        waiting = await _open_loop(engine, 60, 0.2, length)
         await engine.aclose()
         return waiting
 
     short_engine, long_engine = Engine(config), Engine(config)
     short = _run(arrivals(short_engine, 100))
     long = _run(arrivals(long_engine, 4000))
-    assert max(short) <= 3
+    assert max(short) == 0 and short_engine.stats().queue_time.sum == 0  # nothing waits
     assert long[-1] >= 10
     assert long[-1] > long[len(long) // 2] > long[len(long) // 6]
-    assert long_engine.stats().running_seq_seconds / long_engine.stats().sim_seconds > 3
-    queue = long_engine.stats().queue_time
-    assert queue.sum / queue.count > 10 * short_engine.stats().queue_time.sum / 60
+    stats = long_engine.stats()
+    assert stats.running_seq_seconds / stats.sim_seconds > 3  # the slots stay taken
+    assert stats.queue_time.count == 60 and stats.queue_time.sum / 60 > 1.0  # seconds queued
 
 
 def test_kv_budget_makes_requests_wait_and_preempts():
@@ -237,15 +254,16 @@ def test_queue_cap_refuses_and_context_limit_rejects():
 
 
 def test_kill_fails_in_flight_requests_and_revive_serves_again():
-    engine = Engine(EngineConfig(time_scale=50.0))
+    engine = Engine(EngineConfig(time_scale=VIRTUAL))
 
     async def main() -> None:
         pending = [
             asyncio.create_task(engine.generate(prompt_tokens=100, output_tokens=500))
             for _ in range(3)
         ]
-        await asyncio.sleep(0.02)
-        assert engine.stats().running == 3
+        while engine.stats().running < 3:  # admitted: in flight, 500 tokens from done
+            await asyncio.sleep(0)
+        assert engine.stats().generation_tokens_total < 3 * 500
         engine.kill()
         for task in pending:
             with pytest.raises(EngineDeadError):
@@ -277,17 +295,62 @@ def test_cancelled_request_frees_its_slot():
     _run(main())
 
 
-def test_wall_clock_follows_the_time_scale():
+class _PacedClock:
+    """The wall clock an engine paces itself by, moved only by the engine's own sleeps (and by
+    `stall_at_sleep`: a busy CPU), so how it paces is checked without waiting on real time."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.stall_at_sleep: dict[int, float] = {}  # the n-th sleep comes back this late
+        self.sleeps = 0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def asyncio(self) -> Any:
+        """`asyncio` as the engine module sees it, with a `sleep` that moves this clock."""
+        clock = self
+
+        class _Asyncio:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(asyncio, name)
+
+            @staticmethod
+            async def sleep(delay: float, result: Any = None) -> Any:
+                clock.sleeps += 1
+                clock.now += max(delay, 0.0) + clock.stall_at_sleep.get(clock.sleeps, 0.0)
+                return await asyncio.sleep(0, result)
+
+        return _Asyncio()
+
+
+@pytest.mark.parametrize(
+    ("stall_s", "dropped"),
+    [
+        (0.0, False),  # on schedule: wall time = simulated time / time_scale, exactly
+        (0.1, False),  # behind by less than max_lag_s: caught up, the run ends on schedule
+        (2.0, True),  # behind by more: the lost time is dropped, never made up by running fast
+    ],
+)
+def test_wall_clock_follows_the_time_scale(monkeypatch, stall_s, dropped):
+    # 32 equal requests queued at once into 8 slots: four waves of 40 steps, never idle.
     config = EngineConfig(max_num_seqs=8, time_scale=5.0)
-    engine = Engine(config)
+    clock = _PacedClock()
+    clock.stall_at_sleep[20] = stall_s  # one step of the first wave comes back late
+    monkeypatch.setattr(engine_module, "asyncio", clock.asyncio())
+    engine = Engine(config, clock=clock)
 
-    async def main() -> float:
-        start = time.monotonic()
-        await _closed_loop(engine, 8, 24, prompt_len=200, output=30)
-        return time.monotonic() - start
+    async def burst() -> None:
+        await asyncio.gather(
+            *(engine.generate(prompt_tokens=200, output_tokens=40) for _ in range(32))
+        )
+        await engine.aclose()
 
-    wall = _run(main())
-    sim = engine.stats().sim_seconds
-    # Never faster than the schedule; slower only by loop overhead.
-    assert wall >= sim / 5.0 * 0.98
-    assert wall < sim / 5.0 * 1.5 + 0.2
+    _run(burst())
+    stats = engine.stats()
+    assert stats.steps == clock.sleeps == 4 * 40  # one sleep per step
+    late = clock.now - stats.sim_seconds / config.time_scale
+    if dropped:  # re-anchored at the next step, whose own time is dropped with the lag
+        assert late == pytest.approx(stall_s - config.step_seconds(8, 0) / config.time_scale)
+    else:
+        assert late == pytest.approx(0.0, abs=1e-9)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import jsonschema
 import openai
 import pytest
 
+from lowtide.emulator import model as emulated_model
 from tests.emulator.conftest import LABEL_SCHEMA, TEXTS, admin, chat_body, openai_client
 
 
@@ -52,11 +54,38 @@ def test_truncation_reports_length(emu):
 
 def test_malformed_rate_and_model_version_follow_the_admin_config(emu):
     client = openai_client(emu)
+
+    def model_answer(text: str, **config: Any) -> str:
+        """What the emulated model answers to `text` under `config` (the server's oracle)."""
+        body = chat_body(text)
+        return emulated_model.answer(
+            body["messages"], schema=LABEL_SCHEMA, max_tokens=200, model=body["model"], **config
+        ).text
+
+    def ask(text: str) -> str:
+        return client.chat.completions.create(**chat_body(text)).choices[0].message.content
+
+    # a message whose label the version-2 model gets wrong (about 4% of messages are)
+    drifted = next(
+        text
+        for text in (f"{TEXTS[3]} #{i}" for i in range(1000))
+        if model_answer(text, model_version=1) != model_answer(text, model_version=2)
+    )
+    clean = ask(drifted)
+    assert clean == model_answer(drifted)  # the default: version 1, nothing broken
+    jsonschema.validate(json.loads(clean), LABEL_SCHEMA)
+
     admin(emu, "POST", "/_emulator/config", {"malformed_rate": 1.0})
-    broken = client.chat.completions.create(**chat_body(TEXTS[3]))
-    content = broken.choices[0].message.content
+    broken = ask(drifted)
+    assert broken == model_answer(drifted, malformed_rate=1.0) != clean
     with pytest.raises(json.JSONDecodeError):
-        json.loads(content)
+        json.loads(broken)
+
+    admin(emu, "POST", "/_emulator/config", {"malformed_rate": 0.0, "model_version": 2})
+    regressed = ask(drifted)
+    assert regressed == model_answer(drifted, model_version=2)
+    assert json.loads(regressed)["label"] != json.loads(clean)["label"]
+    jsonschema.validate(json.loads(regressed), LABEL_SCHEMA)
 
 
 def test_json_object_and_plain_text_modes(emu):

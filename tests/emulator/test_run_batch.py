@@ -79,11 +79,13 @@ def test_success_string_error_and_envelope_shapes(tmp_path):
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert usage["prompt_tokens_details"] is None
 
-    assert missing_model["response"] == {
-        "status_code": 404,
-        "request_id": missing_model["response"]["request_id"],
-        "body": None,
-    }
+    assert set(missing_model["response"]) == {"status_code", "request_id", "body"}
+    assert missing_model["response"]["status_code"] == 404
+    assert missing_model["response"]["body"] is None
+    # an error line still gets its own request id, in vLLM's format
+    request_ids = [r["response"]["request_id"] for r in (ok, missing_model, bad_url, ok_again)]
+    assert all(re.fullmatch(r"vllm-batch-[0-9a-f]{32}", rid) for rid in request_ids)
+    assert len(set(request_ids)) == 4
     assert missing_model["error"] == {
         "error": {
             "message": f"The model `other` does not exist. Valid aliases: {MODEL}.",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import time
+import tomllib
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,8 +19,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from lowtide.emulator.engine import EngineConfig, Workload, capacity_tokens_per_s
 from lowtide.emulator.ledger import BillingLedger
 from lowtide.emulator.server import RunningServer, run_in_thread
-from lowtide.emulator.vllm import CUSTOM_ID_HEADER, create_vllm_app
+from lowtide.emulator.vllm import (
+    CUSTOM_ID_HEADER,
+    DEFAULT_SERVED_MODEL_NAMES,
+    create_vllm_app,
+    served_model_names,
+)
 from lowtide.emulator.vllm_pool import start_engines
+from tests.conftest import SAMPLE_JOB
 
 MODEL = "emulated-model"
 SCHEMA: dict[str, Any] = {
@@ -79,8 +85,8 @@ def serve() -> Iterator[Any]:
 
 async def _drive(
     url: str, concurrency: int, requests: int, *, first: int = 0, max_retries: int = 2
-) -> tuple[float, list[Any]]:
-    """`concurrency` SDK clients in a closed loop; returns (wall seconds, completions)."""
+) -> list[Any]:
+    """`concurrency` SDK clients in a closed loop; returns the completions."""
     client = AsyncOpenAI(base_url=url, api_key="x", max_retries=max_retries)
     todo = iter(range(first, first + requests))
     done: list[Any] = []
@@ -96,11 +102,9 @@ async def _drive(
                 )
             )
 
-    start = time.monotonic()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    wall = time.monotonic() - start
     await client.close()
-    return wall, done
+    return done
 
 
 def _metrics(served: Served) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
@@ -110,6 +114,28 @@ def _metrics(served: Served) -> dict[str, dict[tuple[tuple[str, str], ...], floa
         for sample in family.samples:
             out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
     return out
+
+
+def _engine_stats(served: Served) -> dict[str, Any]:
+    """The engine's counters and simulated-clock integrals (`GET /_emulator/stats`)."""
+    return served.get("/_emulator/stats").json()
+
+
+def _gauges(served: Served) -> dict[str, float]:
+    metrics = _metrics(served)
+    return {
+        "running": _value(metrics, "vllm:num_requests_running"),
+        "waiting": _value(metrics, "vllm:num_requests_waiting"),
+        "kv": _value(metrics, "vllm:kv_cache_usage_perc"),
+    }
+
+
+async def _until(served: Served, settled: Any) -> dict[str, float]:
+    """Poll the server's gauges until `settled(gauges)`; the last gauges. A state that never
+    comes is caught by the suite's per-test timeout, not by a clock here."""
+    while not settled(gauges := await asyncio.to_thread(_gauges, served)):
+        await asyncio.sleep(0.005)
+    return gauges
 
 
 def _value(metrics: dict, name: str, **labels: str) -> float:
@@ -154,7 +180,7 @@ def test_structured_output_is_schema_valid(serve):
         )
         assert cut.choices[0].finish_reason == "length" and cut.usage.completion_tokens == 3
         models = await client.models.list()
-        assert [m.id for m in models.data] == [MODEL]
+        assert [m.id for m in models.data] == list(DEFAULT_SERVED_MODEL_NAMES)
         with pytest.raises(openai.NotFoundError):
             await client.chat.completions.create(model="other", messages=_messages(0))
         await client.close()
@@ -163,7 +189,8 @@ def test_structured_output_is_schema_valid(serve):
     raw = served.post("/v1/chat/completions", json={"model": "other", "messages": _messages(0)})
     assert raw.status_code == 404
     assert raw.json()["error"] == {
-        "message": f"The model `other` does not exist. Valid aliases: {MODEL}.",
+        "message": "The model `other` does not exist. Valid aliases: "
+        f"{', '.join(DEFAULT_SERVED_MODEL_NAMES)}.",
         "type": "NotFoundError",
         "param": "model",
         "code": 404,
@@ -175,28 +202,46 @@ def test_structured_output_is_schema_valid(serve):
 
 
 def test_throughput_rises_with_concurrency_and_stays_under_capacity(serve):
-    # A slow clock (x2) keeps the HTTP work per second small, so a busy 2-core host still
-    # feeds the engine and what is measured is the engine, not the test process.
+    # Measured on the engine's simulated clock (`/_emulator/stats` before and after each
+    # phase): generated tokens per simulated second of engine work, and the mean number of
+    # sequences per step. A busy host makes the test slower, not its numbers different.
     config = EngineConfig(max_num_seqs=16, time_scale=2.0)
     served = serve(config)
-    wall_1, done_1 = asyncio.run(_drive(served.url, 1, 6))
+    start = _engine_stats(served)
+    done_1 = asyncio.run(_drive(served.url, 1, 6))
+    mid = _engine_stats(served)
     before = _metrics(served)
-    wall_32, done_32 = asyncio.run(_drive(served.url, 32, 160, first=1000))
+    done_32 = asyncio.run(_drive(served.url, 32, 160, first=1000))
+    end = _engine_stats(served)
     after = _metrics(served)
-
-    rate_1 = sum(c.usage.completion_tokens for c in done_1) / wall_1
-    rate_32 = sum(c.usage.completion_tokens for c in done_32) / wall_32
 
     def delta(name: str) -> float:
         return _value(after, name) - _value(before, name)
 
+    def rate(a: dict[str, Any], b: dict[str, Any]) -> float:
+        tokens = b["generation_tokens_total"] - a["generation_tokens_total"]
+        return tokens / (b["sim_seconds"] - a["sim_seconds"])
+
+    def batch(a: dict[str, Any], b: dict[str, Any]) -> float:
+        running = b["running_seq_seconds"] - a["running_seq_seconds"]
+        return running / (b["sim_seconds"] - a["sim_seconds"])
+
+    # the engine counted exactly the work the clients were answered
+    assert delta("vllm:generation_tokens_total") == sum(c.usage.completion_tokens for c in done_32)
+    assert mid["generation_tokens_total"] - start["generation_tokens_total"] == sum(
+        c.usage.completion_tokens for c in done_1
+    )
     workload = Workload(
         prompt_tokens=sum(c.usage.prompt_tokens for c in done_32) / len(done_32),
         output_tokens=sum(c.usage.completion_tokens for c in done_32) / len(done_32),
         prefix_share=delta("vllm:prefix_cache_hits_total")
         / delta("vllm:prefix_cache_queries_total"),
     )
-    ceiling = capacity_tokens_per_s(config, workload)
+    # the ceiling per simulated second (capacity is per wall second at the config's scale)
+    ceiling = capacity_tokens_per_s(dataclasses.replace(config, time_scale=1.0), workload)
+    rate_1, rate_32 = rate(start, mid), rate(mid, end)
+    assert batch(start, mid) == pytest.approx(1.0)  # one client: one sequence per step
+    assert batch(mid, end) > config.max_num_seqs / 2  # 32 clients kept the 16 slots busy
     assert rate_32 > 4 * rate_1, (rate_1, rate_32, ceiling)
     assert rate_32 <= 1.05 * ceiling
     assert rate_32 > 0.5 * ceiling, (rate_32, ceiling)
@@ -204,7 +249,7 @@ def test_throughput_rises_with_concurrency_and_stays_under_capacity(serve):
 
 def test_metrics_carry_vllm_names_and_count_the_work(serve):
     served = serve(EngineConfig(time_scale=8.0), enable_prompt_tokens_details=True)
-    _, done = asyncio.run(_drive(served.url, 4, 16))
+    done = asyncio.run(_drive(served.url, 4, 16))
     metrics = _metrics(served)
     for name in (
         "vllm:num_requests_running",
@@ -234,13 +279,18 @@ def test_metrics_carry_vllm_names_and_count_the_work(serve):
 
 
 def test_long_prompts_and_kv_budget_show_up_as_waiting(serve):
-    # Long prompts and a small step budget: 4 slots stay busy prefilling while the rest wait.
-    slow_prefill = serve(EngineConfig(max_num_seqs=4, max_num_batched_tokens=256, time_scale=4.0))
+    # 0.1 s steps: a burst of 16 is at the server long before its first request could
+    # finish (30-odd steps), so the gauges settle on what the engine's limits allow, whatever
+    # the host's speed; killing the engine then ends the burst without waiting for it.
+    slow = {"decode_step_s_base": 0.1, "time_scale": 1.0}
+    # Long prompts and a small step budget: the 4 slots fill one prefill after another while
+    # the rest wait.
+    slow_prefill = serve(EngineConfig(max_num_seqs=4, max_num_batched_tokens=256, **slow))
     # KV for about three such prompts although 64 slots are free.
-    small_kv = serve(EngineConfig(kv_cache_tokens=3600, max_model_len=2048, time_scale=4.0))
+    small_kv = serve(EngineConfig(kv_cache_tokens=3600, max_model_len=2048, **slow))
 
-    async def burst(served: Served) -> dict[str, float]:
-        client = AsyncOpenAI(base_url=served.url, api_key="x")
+    async def burst(served: Served, settled: Any) -> dict[str, float]:
+        client = AsyncOpenAI(base_url=served.url, api_key="x", max_retries=0)
         tasks = [
             asyncio.create_task(
                 client.chat.completions.create(
@@ -249,21 +299,22 @@ def test_long_prompts_and_kv_budget_show_up_as_waiting(serve):
             )
             for i in range(16)
         ]
-        peak = {"running": 0.0, "waiting": 0.0, "kv": 0.0}
-        while not all(t.done() for t in tasks):
-            metrics = await asyncio.to_thread(_metrics, served)
-            peak["running"] = max(peak["running"], _value(metrics, "vllm:num_requests_running"))
-            peak["waiting"] = max(peak["waiting"], _value(metrics, "vllm:num_requests_waiting"))
-            peak["kv"] = max(peak["kv"], _value(metrics, "vllm:kv_cache_usage_perc"))
-            await asyncio.sleep(0.01)
-        await asyncio.gather(*tasks)
+        gauges = await _until(served, lambda g: settled(g) or any(t.done() for t in tasks))
+        await asyncio.to_thread(served.post, "/_emulator/kill")
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        assert all(isinstance(o, openai.InternalServerError) for o in outcomes)  # none ended
         await client.close()
-        return peak
+        return gauges
 
-    peak = asyncio.run(burst(slow_prefill))
-    assert peak["running"] == 4 and peak["waiting"] >= 8
-    peak = asyncio.run(burst(small_kv))
-    assert peak["running"] <= 4 and peak["waiting"] >= 8 and peak["kv"] > 0.7
+    # waited for: the whole burst at the server and the limit reached (or a request ended)
+    gauges = asyncio.run(
+        burst(slow_prefill, lambda g: g["running"] == 4 and g["running"] + g["waiting"] == 16)
+    )
+    assert (gauges["running"], gauges["waiting"]) == (4, 12)
+    gauges = asyncio.run(
+        burst(small_kv, lambda g: g["kv"] > 0.7 and g["running"] + g["waiting"] == 16)
+    )
+    assert 0 < gauges["running"] <= 4 and gauges["waiting"] >= 12 and gauges["kv"] > 0.7
 
 
 def test_queue_cap_answers_503(serve):
@@ -283,18 +334,12 @@ def test_queue_cap_answers_503(serve):
                 )
             )
 
-        async def until(gauge: str, value: int) -> None:
-            deadline = time.monotonic() + 10
-            while _value(await asyncio.to_thread(_metrics, served), gauge) < value:
-                assert time.monotonic() < deadline, f"{gauge} never reached {value}"
-                await asyncio.sleep(0.005)
-
         # One at a time: three requests arriving before the engine's first step would all
         # count as waiting, and the third would already be refused.
         queued = [send(0)]
-        await until("vllm:num_requests_running", 1)
+        await _until(served, lambda g: g["running"] == 1)
         queued += [send(1), send(2)]
-        await until("vllm:num_requests_waiting", 2)
+        await _until(served, lambda g: g["waiting"] == 2)
         with pytest.raises(openai.InternalServerError) as info:
             await client.chat.completions.create(model=MODEL, messages=_messages(9))
         assert info.value.status_code == 503
@@ -343,6 +388,11 @@ def test_stopping_one_engine_of_a_pool_fails_only_its_requests():
             stopped = asyncio.Event()
             clients = [AsyncOpenAI(base_url=url, api_key="x", max_retries=0) for url in pool.urls]
 
+            # Engine 1 stops once every worker has had an answer: each has 15 more to send.
+            workers = [(i, k) for i in range(3) for k in range(6)]
+            answered: set[tuple[int, int]] = set()
+            all_answered = asyncio.Event()
+
             async def worker(i: int, k: int) -> None:
                 n = 0
                 while n < 16:
@@ -356,17 +406,18 @@ def test_stopping_one_engine_of_a_pool_fails_only_its_requests():
                         if stopped.is_set() and n > 5:
                             return
                         continue
+                    answered.add((i, k))
+                    if len(answered) == len(workers):
+                        all_answered.set()
                     if stopped.is_set():
                         results[i]["ok_after_stop"] += 1
 
             async def stop_engine_1() -> None:
-                await asyncio.sleep(0.3)
+                await all_answered.wait()
                 await asyncio.to_thread(pool.stop, 1)
                 stopped.set()
 
-            await asyncio.gather(
-                stop_engine_1(), *(worker(i, k) for i in range(3) for k in range(6))
-            )
+            await asyncio.gather(stop_engine_1(), *(worker(i, k) for i, k in workers))
             for client in clients:
                 await client.close()
             return results
@@ -379,3 +430,31 @@ def test_stopping_one_engine_of_a_pool_fails_only_its_requests():
         with pytest.raises(httpx.ConnectError):
             httpx.get(pool.base_url(1) + "/health", timeout=2)
         assert httpx.get(pool.base_url(0) + "/health", timeout=2).status_code == 200
+
+
+def test_a_server_answers_to_every_name_it_serves(serve):
+    """vLLM's `--served-model-name a b`: any served name is answered, under the first name;
+    the default serves the sample job's vLLM model id; other names get the 404."""
+    with open(SAMPLE_JOB, "rb") as f:
+        sample_vllm_model = tomllib.load(f)["model"]["names"]["vllm"]
+    assert MODEL == DEFAULT_SERVED_MODEL_NAMES[0]
+    assert sample_vllm_model in DEFAULT_SERVED_MODEL_NAMES
+    ledger = BillingLedger()
+    served = serve(ledger=ledger, served_model_name="my-model, my-alias")
+    client = openai.OpenAI(base_url=served.url, api_key="x", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["my-model", "my-alias"]
+    for name in ("my-model", "my-alias"):
+        completion = client.chat.completions.create(model=name, messages=_messages(1))
+        assert completion.model == "my-model"
+    with pytest.raises(openai.NotFoundError, match="Valid aliases: my-model, my-alias"):
+        client.chat.completions.create(model=MODEL, messages=_messages(2))
+    assert [e["model"] for e in ledger.executions("vllm")] == ["my-model", "my-model"]
+    assert 'model_name="my-model"' in served.get("/metrics").text
+    client.close()
+
+
+def test_served_model_names_accepts_repeats_and_commas():
+    assert served_model_names("a") == ("a",)
+    assert served_model_names(["a,b", " c ", "a"]) == ("a", "b", "c")
+    with pytest.raises(ValueError, match="at least one"):
+        served_model_names([" , "])

@@ -12,7 +12,9 @@ import polars as pl
 import pytest
 
 from flows.enrich import enrich
+from lowtide.jobspec import load_job
 from lowtide.store import Store
+from tasks.load import load_eval_set
 from tests.conftest import SAMPLE_JOB
 from tests.integration.conftest import write_job
 from tests.sql import query
@@ -26,11 +28,14 @@ def _invariant(summary: dict) -> None:
 
 
 def test_sample_job_end_to_end_then_from_cache(emulator, clean_env: Path) -> None:
+    eval_set = load_eval_set(load_job(SAMPLE_JOB))
+    assert eval_set is not None
     first = enrich(job_file=str(SAMPLE_JOB), emulator_url=emulator.base_url)
     _invariant(first)
     assert first["rows"] == 3000
     assert first["units"] > first["rows"]  # long messages were split
-    assert first["requests_sent"] == first["unique_requests"] < first["units"] + 200  # dedupe
+    # dedupe: fewer requests than row units plus one unit per eval row
+    assert first["requests_sent"] == first["unique_requests"] < first["units"] + eval_set.height
     assert 0.5 < first["eval_accuracy"] < 0.95
     assert first["cost_usd"] > 0 and first["realtime_cost_usd"] > 2 * first["cost_usd"] * 0.99
 
@@ -95,9 +100,15 @@ def test_sample_job_end_to_end_then_from_cache(emulator, clean_env: Path) -> Non
     _invariant(second)
     assert second["run_id"] != first["run_id"]
     # every row comes from the cache; only the eval set is asked afresh (drift detection)
-    eval_rows = 200
-    assert second["cache_hits"] == first["unique_requests"] - eval_rows
-    assert second["requests_sent"] == eval_rows
+    evals = query(
+        store,
+        "SELECT count(*) AS units, count(DISTINCT custom_id) AS requests FROM units "
+        "WHERE run_id = ? AND kind = 'eval'",
+        [second["run_id"]],
+    ).row(0, named=True)
+    assert evals["units"] == eval_set.height  # one unit per row of the eval file
+    assert second["cache_hits"] == first["unique_requests"] - evals["requests"]
+    assert second["requests_sent"] == evals["requests"]
     after = emulator.ledger.count_by_custom_id()
     assert all(after[k] == 1 for k in executed)  # nothing answered before was paid for again
     row_requests = set(units["custom_id"])

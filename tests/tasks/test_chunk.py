@@ -1,10 +1,15 @@
 from __future__ import annotations
 
+from typing import Any
+
 import polars as pl
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lowtide import tokens
 from lowtide.tokens import count_tokens
+from tasks import chunk
 from tasks.chunk import chunk_units, split_text
 
 WORDS = st.lists(
@@ -51,8 +56,28 @@ def test_split_with_overlap_covers_text_in_order(words: list[str], budget: int) 
     assert text.endswith(pieces[-1])
 
 
-def test_short_text_is_one_unit_without_tokenizing() -> None:
+def test_short_text_is_one_unit_without_tokenizing(monkeypatch: pytest.MonkeyPatch) -> None:
+    tokenized: list[str] = []  # every tokenization goes through the encoding
+
+    def spied_encoding(name: str = tokens.DEFAULT_ENCODING) -> Any:
+        tokenized.append(name)
+        return real_encoding(name)
+
+    real_encoding = tokens.get_encoding
+    monkeypatch.setattr(tokens, "get_encoding", spied_encoding)
+    monkeypatch.setattr(chunk, "get_encoding", spied_encoding)
+    # a token is at least one byte, so a text of at most max_tokens bytes fits untokenized
+    fits = "é" * 8  # 16 bytes
     assert split_text("short enough", 16) == ["short enough"]
+    assert split_text(fits, 16) == [fits]
+    rows = pl.DataFrame({"source_id": ["a", "b"], "text": ["short enough", fits]})
+    units = chunk_units(rows, max_tokens=16)
+    assert units["text"].to_list() == ["short enough", fits]
+    assert units["unit_tokens"].to_list() == [None, None]  # never counted
+    assert tokenized == []
+    # a byte more and it is tokenized, and kept whole when its tokens fit
+    assert split_text(fits + "x", 16) == [fits + "x"]
+    assert tokenized
 
 
 def test_chunk_units_table() -> None:

@@ -12,12 +12,15 @@ TEMPLATE = "Channel: {channel}\n\n{text}"
 CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
 
-def _units(texts: list[str], channels: list[str] | None = None) -> pl.DataFrame:
+def _units(
+    texts: list[str], channels: list[str] | None = None, sources: list[str] | None = None
+) -> pl.DataFrame:
     n = len(texts)
+    sources = sources or [f"r{i}" for i in range(n)]
     return pl.DataFrame(
         {
-            "unit_id": [f"r{i}#0" for i in range(n)],
-            "source_id": [f"r{i}" for i in range(n)],
+            "unit_id": [f"{source}#0" for source in sources],
+            "source_id": sources,
             "kind": ["row"] * n,
             "text": texts,
             "channel": channels or ["email"] * n,
@@ -55,18 +58,49 @@ TEXTS = st.lists(
 )
 
 
-@given(texts=TEXTS, seed=st.randoms())
+def _key_of_unit(keyed: pl.DataFrame) -> dict[str, str]:
+    return dict(zip(keyed["unit_id"], keyed["custom_id"], strict=True))
+
+
+def _asked(keyed: pl.DataFrame) -> set[str]:
+    return set(unique_requests(keyed)["custom_id"])
+
+
+@given(
+    texts=TEXTS,
+    copies=st.lists(st.integers(min_value=0, max_value=29), max_size=30),
+    seed=st.randoms(),
+)
 @settings(max_examples=50, deadline=None)
-def test_dedupe_is_order_independent_and_idempotent(texts: list[str], seed) -> None:
+def test_dedupe_is_order_independent_and_idempotent(texts: list[str], copies, seed) -> None:
     units = _units(texts)
-    keys = set(unique_requests(request_keys(units, TEMPLATE, "fp"))["custom_id"].to_list())
-    shuffled = units.sample(fraction=1.0, shuffle=True, seed=seed.randint(0, 10**6))
-    assert (
-        set(unique_requests(request_keys(shuffled, TEMPLATE, "fp"))["custom_id"].to_list()) == keys
-    )
-    once = unique_requests(request_keys(units, TEMPLATE, "fp"))
-    assert unique_requests(request_keys(units, TEMPLATE, "fp")).equals(once)
-    # every unit maps to exactly one of the unique requests
-    assert set(
-        request_keys(units, TEMPLATE, "fp").filter(pl.col("text") != "")["custom_id"]
-    ) == set(once["custom_id"])
+    alone = request_keys(units, TEMPLATE, "fp")
+    keys = _asked(alone)
+    # identical units (up to case and whitespace) share a request, different ones do not
+    fold = {t: " ".join(t.lower().split()) for t in texts}
+    by_key: dict[str, set[str]] = {}
+    for text, cid in zip(alone["text"], alone["custom_id"], strict=True):
+        by_key.setdefault(cid, set()).add(fold[text])
+    assert all(len(folded) == 1 for folded in by_key.values())
+    assert len(by_key) == len(set(fold.values()))
+    # every non-empty unit is asked once, as one of the unique requests; empty ones are not
+    assert keys == set(alone.filter(pl.col("text") != "")["custom_id"])
+    assert unique_requests(alone)["custom_id"].is_unique().all()
+
+    # Idempotent: the units plus shuffled duplicates of some of them ask nothing new, and each
+    # unit keeps the key it had alone (a duplicate gets its original's key).
+    picks = [i for i in copies if i < len(texts)]
+    dup_of = {f"d{j}#0": f"r{i}#0" for j, i in enumerate(picks)}
+    both = _units(
+        texts + [texts[i] for i in picks],
+        sources=[f"r{i}" for i in range(len(texts))] + [f"d{j}" for j in range(len(picks))],
+    ).sample(fraction=1.0, shuffle=True, seed=seed.randint(0, 10**6))
+    keyed = request_keys(both, TEMPLATE, "fp")
+    assert _asked(keyed) == keys
+    alone_keys = _key_of_unit(alone)
+    for unit_id, cid in _key_of_unit(keyed).items():
+        assert cid == alone_keys[dup_of.get(unit_id, unit_id)]
+    # Order-independent: the same units in another order ask the same requests, unit by unit.
+    reordered = units.sample(fraction=1.0, shuffle=True, seed=seed.randint(0, 10**6))
+    keyed = request_keys(reordered, TEMPLATE, "fp")
+    assert _asked(keyed) == keys and _key_of_unit(keyed) == alone_keys

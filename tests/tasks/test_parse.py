@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import orjson
 import polars as pl
 import pytest
 
@@ -50,16 +51,49 @@ def test_truncated_answers_say_so(validator) -> None:
     assert error.startswith("truncated at max_tokens")
 
 
-def test_malformed_folder_ends_valid_or_failed_with_reason(validator) -> None:
-    files = sorted(MALFORMED.glob("*.txt"))
-    assert files
-    for f in files:
-        outcome, output, error = parse_one(f.read_text(), "stop", validator)
-        assert outcome in ("ok", "repaired", "parse_failed"), f.name
-        if outcome == "parse_failed":
-            assert error, f.name
-        else:
-            assert validator.is_valid(__import__("orjson").loads(output)), f.name
+# Each real malformed answer: what the ladder must make of it. Repaired ones keep the
+# model's values; failed ones say why (the error's start).
+MALFORMED_EXPECTED = {
+    "code_fence.txt": (
+        "repaired",
+        {"intent": "billing_issue", "urgency": "low", "summary": "charged twice"},
+    ),
+    "extra_key.txt": ("parse_failed", "schema: at (root): Additional properties"),
+    "preamble.txt": (
+        "repaired",
+        {"intent": "cancel_subscription", "urgency": "normal", "summary": "stop my plan"},
+    ),
+    "single_quotes.txt": (
+        "repaired",
+        {"intent": "order_status", "urgency": "low", "summary": "where is my parcel"},
+    ),
+    "trailing_comma.txt": (
+        "repaired",
+        {"intent": "damaged_item", "urgency": "normal", "summary": "box arrived crushed"},
+    ),
+    "truncated_early.txt": ("parse_failed", "json: unexpected end of data"),
+    "truncated_string.txt": (
+        "repaired",
+        {"intent": "complaint", "urgency": "urgent", "summary": "rude agent on the ph"},
+    ),
+    "wrong_enum_case.txt": ("parse_failed", 'schema: at intent: "REFUND" is not one of'),
+}
+
+
+def test_malformed_folder_has_an_expectation_per_file() -> None:
+    assert sorted(f.name for f in MALFORMED.glob("*.txt")) == sorted(MALFORMED_EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED_EXPECTED))
+def test_malformed_folder_ends_valid_or_failed_with_reason(validator, name: str) -> None:
+    expected_outcome, expected = MALFORMED_EXPECTED[name]
+    outcome, output, error = parse_one((MALFORMED / name).read_text(), "stop", validator)
+    assert outcome == expected_outcome
+    if outcome == "parse_failed":
+        assert output is None and error.startswith(expected)
+    else:
+        assert error is None and orjson.loads(output) == expected
+        assert validator.is_valid(orjson.loads(output))
 
 
 def test_provider_outcomes_pass_through(validator) -> None:
