@@ -54,8 +54,9 @@ class RunContext:
         caps = self.capabilities.max_requests
         return min(caps, self.shard_max_requests or caps)
 
-    @property
+    @cached_property
     def store(self) -> Store:
+        """One store per run context, so the file's schema is checked once, not per call."""
         return Store(self.state_path, self.lock_timeout_s)
 
     def work_dir(self, run_id: str) -> Path:

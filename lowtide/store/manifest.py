@@ -208,16 +208,6 @@ class ManifestStore(Database):
             )["provider_batch_id"].to_list()
         )
 
-    def requests_sent(self, run_id: str) -> int:
-        return int(
-            self._scalar(
-                "SELECT count(DISTINCT br.custom_id) FROM batch_requests br "
-                "JOIN batches b USING (batch_id) WHERE b.run_id = ?",
-                [run_id],
-            )
-            or 0
-        )
-
     def _ids(self, sql: str, params: list[Any]) -> list[str]:
         return self._query(sql, params)["batch_id"].to_list()
 

@@ -13,7 +13,6 @@ import polars as pl
 
 from lowtide.store._sql import ident, json_path, literal
 from lowtide.store.publish import PublishingStore, job_rows_sql, source_table
-from lowtide.vocabulary import RunStatus
 
 _COPY_FORMAT = {
     "parquet": "(FORMAT parquet)",
@@ -199,13 +198,3 @@ class ReportsStore(PublishingStore):
             "WHERE q.job = ? AND r.output_tokens IS NOT NULL AND r.output_tokens > 0",
             [job],
         ).row(0, named=True)
-
-    def last_published_run(self, job: str) -> str | None:
-        return self._scalar(
-            "SELECT run_id FROM runs WHERE job = ? AND published_at IS NOT NULL "
-            "ORDER BY published_at DESC LIMIT 1",
-            [job],
-        )
-
-    def run_is(self, run_id: str, *statuses: RunStatus) -> bool:
-        return self.run_status(run_id) in statuses
