@@ -10,6 +10,7 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 from lowtide import render
+from lowtide.backends import KNOWN
 from lowtide.errors import LowtideError
 
 console = render.console
@@ -28,6 +29,12 @@ class _OneLineErrors(TyperGroup):
 
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__, cls=_OneLineErrors)
+
+# the arguments `run` and `estimate` share; backend names come from the registry
+JobFileArg = Annotated[Path, typer.Argument(help="The job file (TOML).")]
+BackendOpt = Annotated[
+    str | None, typer.Option(help=f"{' | '.join(KNOWN)} (overrides the job file).")
+]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_JOB = REPO_ROOT / "data" / "jobs" / "support-intents.toml"
@@ -122,11 +129,8 @@ def _exit_for(summary: dict[str, Any], wait: bool = True) -> None:
 
 @app.command()
 def run(
-    job_file: Annotated[Path, typer.Argument(help="The job file (TOML).")],
-    backend: Annotated[
-        str | None,
-        typer.Option(help="emulator | openai | anthropic | vllm (overrides the job file)."),
-    ] = None,
+    job_file: JobFileArg,
+    backend: BackendOpt = None,
     db: Annotated[
         Path | None,
         typer.Option(help="Published DuckDB file (default lowtide.duckdb, or LOWTIDE_DB)."),
@@ -309,11 +313,8 @@ def status(
 
 @app.command()
 def estimate(
-    job_file: Annotated[Path, typer.Argument(help="The job file (TOML).")],
-    backend: Annotated[
-        str | None,
-        typer.Option(help="emulator | openai | anthropic | vllm (overrides the job file)."),
-    ] = None,
+    job_file: JobFileArg,
+    backend: BackendOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Quote a run before paying: rows, requests, cache hits, tokens and the cost on every

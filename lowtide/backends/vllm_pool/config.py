@@ -85,10 +85,10 @@ class PoolConfig:
         env_api_key: str | None = None,
         **overrides: Any,
     ) -> PoolConfig:
-        """The pool for a job: endpoints from `LOWTIDE_VLLM_URLS` (comma-separated; pass
-        `os.environ.get("LOWTIDE_VLLM_URLS")`) or else the job file's `[pool] urls`, the API
-        key from `LOWTIDE_VLLM_API_KEY` (pass `os.environ.get(...)`) or else `[pool] api_key` —
-        the environment wins, as everywhere in lowtide — plus the job file's feeding settings.
+        """The pool for a job: endpoints from `env_urls` (comma-separated; the caller passes
+        `Settings.vllm_urls`, i.e. LOWTIDE_VLLM_URLS) or else the job file's `[pool] urls`, the
+        API key from `env_api_key` (`Settings.vllm_api_key`) or else `[pool] api_key` — the
+        environment wins, as everywhere in lowtide — plus the job file's feeding settings.
         `overrides` set any other field (tests, benches)."""
         urls: list[str] = []
         if env_urls and env_urls.strip():
