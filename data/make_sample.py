@@ -1638,10 +1638,8 @@ PRICE_COLUMNS = [
 ]
 _OPENAI_SOURCE = "OpenAI API pricing page (standard tier list prices), read 2026-11"
 _ANTHROPIC_SOURCE = "Anthropic Claude API pricing page (cache reads as cached input), read 2026-11"
-_EMULATOR_SOURCE = (
-    "lowtide emulator: mirrors OpenAI gpt-4o-mini list prices so dry runs show a cost"
-)
-PRICES = [
+_PROVIDER_NAMES = {"openai": "OpenAI", "anthropic": "Anthropic"}
+_REAL_PRICES = [
     ["openai", "gpt-4o-mini", "2026-11-01", "0.15", "0.075", "0.60", "0.5", _OPENAI_SOURCE],
     ["openai", "gpt-4.1-mini", "2026-11-01", "0.40", "0.10", "1.60", "0.5", _OPENAI_SOURCE],
     ["openai", "gpt-4o", "2026-11-01", "2.50", "1.25", "10.00", "0.5", _OPENAI_SOURCE],
@@ -1665,17 +1663,18 @@ PRICES = [
         "0.5",
         _ANTHROPIC_SOURCE,
     ],
-    ["emulator", "gpt-4o-mini", "2026-11-01", "0.15", "0.075", "0.60", "0.5", _EMULATOR_SOURCE],
+]
+# The emulator's own rows: each mirrors the real model it stands in for (a job on the emulator
+# with `[model] name = "claude-haiku-4-5"` is priced as Anthropic's model), so a dry run shows
+# what the real run would cost; labelled as the emulator's, and never billed by anyone.
+PRICES = _REAL_PRICES + [
     [
         "emulator",
-        "claude-haiku-4-5",
-        "2026-11-01",
-        "0.15",
-        "0.075",
-        "0.60",
-        "0.5",
-        _EMULATOR_SOURCE,
-    ],
+        *row[1:7],
+        f"lowtide emulator prices (never billed): mirror {_PROVIDER_NAMES[row[0]]} {row[1]} "
+        "list prices so a dry run shows what the real model would cost",
+    ]
+    for row in _REAL_PRICES
 ]
 
 SYSTEM_PROMPT = f"""\
@@ -1752,6 +1751,10 @@ assistant = '{"intent": "product_question", "urgency": "low", "summary": "Asks w
 [output]
 name = "support_intent"
 schema_file = "../schemas/support-intent.json"
+# A message longer than [chunk] max_tokens is asked in chunks; its row takes one answer per field:
+# intent by majority vote (the default for an enum), urgency the highest any chunk gave (enum
+# order), summary the chunks' summaries joined (the default for free text).
+reduce = { urgency = "max" }
 
 [model]
 backend = "emulator"      # emulator | openai | anthropic | vllm

@@ -174,15 +174,23 @@ def collect_ended(ctx: RunContext, run_id: str) -> None:
 
 
 def open_run(ctx: RunContext) -> str:
-    """The unfinished run of this job content and input to resume, or a new run."""
+    """The unfinished run of this job content and input on this backend to resume, or a new
+    run."""
     job, store = ctx.job, ctx.store
     fingerprint = job.prompt_fingerprint()
     inputs = input_fingerprint(job)
-    run_id = store.resumable_run(job.name, fingerprint, inputs)
+    run_id = store.resumable_run(job.name, fingerprint, inputs, ctx.backend)
     if run_id is not None:
         return run_id
     run_id = f"{job.name}-{datetime.now(UTC):%Y%m%dT%H%M%S}-{secrets.token_hex(2)}"
-    store.save_job(job.name, job.view_name, job.input.id_column, job.output_schema, job.source_path)
+    store.save_job(
+        job.name,
+        job.view_name,
+        job.input.id_column,
+        job.output_schema,
+        job.source_path,
+        job.reduce_rules(),
+    )
     store.open_run(
         run_id=run_id,
         job=job.name,

@@ -1,5 +1,6 @@
 """What a run shows in the Prefect UI: a progress artifact while it waits, and when it ends a
-table of its numbers and cost plus a markdown report. Artifacts are written only inside a flow
+table of its numbers and cost plus a markdown report that ends with the job's history as charts
+(`lowtide.charts`, embedded as SVG data-URI images). Artifacts are written only inside a flow
 run; elsewhere (unit tests calling a task's .fn) these functions do nothing.
 
 The flow run's Artifacts tab lists artifacts as cards that show only their key and description,
@@ -11,16 +12,19 @@ keeps each job's history run after run.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 from prefect.context import FlowRunContext
 
 from lowtide import progress
 from lowtide.store.published import first_query
+
+if TYPE_CHECKING:
+    from lowtide.charts import Chart
 
 
 def _key(*parts: str) -> str:
@@ -155,9 +159,11 @@ def _link(path: str) -> str:
     return f"[`{path}`]({p.as_uri()})"
 
 
-def run_report_markdown(summary: dict[str, Any]) -> str:
+def run_report_markdown(summary: dict[str, Any], charts: Sequence[Chart] = ()) -> str:
     """The run report: outcome, QA sample, eval scores (against the previous published run when
-    the summary carries `eval_previous_by_field`), failures by reason and links to the files.
+    the summary carries `eval_previous_by_field`), failures by reason, the job's history as
+    `charts` (markdown images with SVG data URIs, which both Prefect UIs render) and links to
+    the files.
 
     Optional summary keys used when present: `qa_samples` (rows sampled for review),
     `exports` (label → file path), `eval_previous_by_field`, `gate_note` (why the eval gate
@@ -203,6 +209,11 @@ def run_report_markdown(summary: dict[str, Any]) -> str:
     if failures:
         lines += ["", "## Failures by reason", "", "| reason | rows |", "|---|---|"]
         lines += [f"| {k} | {_int(v)} |" for k, v in failures.items()]
+    if charts:
+        lines += ["", "## History", ""]
+        for c in charts:
+            lines += [f"![{c.title}]({c.data_uri()})", ""]
+        lines += [f"The same charts offline: `lowtide report {job} --out report.html`."]
     files = {"published database": summary.get("db"), **(summary.get("exports") or {})}
     files = {k: v for k, v in files.items() if v}
     if files:
@@ -226,10 +237,21 @@ def publish_run_report(summary: dict[str, Any]) -> None:
         description=headline(summary),
     )
     create_markdown_artifact(
-        markdown=run_report_markdown(summary),
+        markdown=run_report_markdown(summary, history_charts_of(summary)),
         key=_key(job, "report"),
-        description="QA sample, eval set, failures, files",
+        description="QA sample, eval set, failures, history charts, files",
     )
+
+
+def history_charts_of(summary: dict[str, Any]) -> list[Chart]:
+    """The charts of the job's last finished runs, read from the state file the summary names
+    (`state`); none when it names none."""
+    if not summary.get("state") or not summary.get("job"):
+        return []
+    from lowtide.charts import history_charts
+    from lowtide.store import Store
+
+    return history_charts(Store(summary["state"]).job_history(str(summary["job"])))
 
 
 def publish_markdown(job: str, name: str, markdown: str, description: str) -> None:

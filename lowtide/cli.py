@@ -77,6 +77,9 @@ def _with_progress(call):  # noqa: ANN001, ANN202 - any flow call
 
         progress_channel.set_reporter(show)
         try:
+            from lowtide.prefect_server import start_tied_server
+
+            start_tied_server()  # a SIGKILLed run must not leave Prefect's server behind
             return call()
         finally:
             progress_channel.set_reporter(None)
@@ -309,6 +312,40 @@ def status(
         print(orjson.dumps(records, default=str, option=orjson.OPT_INDENT_2).decode())
         return
     render.status_tables(records, one_run=bool(run_id))
+
+
+@app.command()
+def report(
+    job: Annotated[str, typer.Argument(help="The job's name (or its job file).")],
+    out: Annotated[Path, typer.Option(help="HTML file to write.")] = Path("report.html"),
+    db: Annotated[
+        Path | None, typer.Option(help="Read a published DuckDB file instead of the state file.")
+    ] = None,
+    runs: Annotated[int, typer.Option(min=1, help="How many of the latest finished runs.")] = 20,
+) -> None:
+    """Chart a job's history (cost and realtime price, eval accuracy, failures, savings per run)
+    as one self-contained HTML page that opens offline."""
+    from lowtide.report_html import report_html
+    from lowtide.settings import Settings
+    from lowtide.store import Store
+    from lowtide.store.history import published_history
+
+    if job.endswith(".toml"):
+        from lowtide.jobspec import load_job
+
+        job = load_job(Path(job)).name
+    settings = Settings()
+    if db is not None:
+        history = published_history(db, job, runs)
+    elif not settings.state.is_file():
+        raise _fail(f"{settings.state}: no state file yet; run a job first")
+    else:
+        history = Store(settings.state, settings.lock_timeout_s).job_history(job, runs)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(report_html(history), encoding="utf-8")
+    console.print(
+        f"{history.runs.height} run(s) of {job} charted in {escape(str(out))}", soft_wrap=True
+    )
 
 
 @app.command()

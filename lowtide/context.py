@@ -44,6 +44,13 @@ class RunContext:
     def entry(self) -> BackendEntry:
         return backend_entry(self.backend)
 
+    @property
+    def answer_family(self) -> str:
+        """Whose answers this run's engine gives (`BackendEntry.answer_family`): part of every
+        request key, and the engine recorded with each answer that does not carry the
+        emulator's fingerprint."""
+        return self.entry.answer_family(self.job.model.name)
+
     @cached_property
     def capabilities(self) -> Capabilities:
         return self.entry.capabilities()

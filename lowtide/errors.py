@@ -56,7 +56,21 @@ class TerminalBackendError(BackendError):
     """Bad request, auth, validation: retrying the same call cannot help."""
 
 
+class PublishError(LowtideError):
+    """The published file could not be written (disk full, a bad path); the previous file is
+    left as it was and the run can be published again with `lowtide publish`."""
+
+
+class InputFileGoneError(TerminalBackendError):
+    """A batch create refused because its uploaded input file no longer exists (deleted, past
+    retention, or a provider that lost it): nothing was created, so upload again and create."""
+
+
 # -- user errors ---------------------------------------------------------------------------------
+
+
+class SettingsError(UserError):
+    """A `LOWTIDE_*` variable (or the CLI flag that overrides it) that cannot be used."""
 
 
 class JobFileError(UserError, ValueError):
@@ -73,6 +87,11 @@ class InputError(UserError, ValueError):
 
 class PriceError(UserError, ValueError):
     """No usable price for a model; the message names the table and what to add."""
+
+
+class PriceTableError(PriceError):
+    """A price table that cannot be read or holds impossible prices: no model can be priced
+    from it, so a quote stops rather than skipping the backend."""
 
 
 class BudgetExceededError(UserError):

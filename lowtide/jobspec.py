@@ -14,11 +14,13 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
+import jsonschema_rs
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lowtide.backends import REGISTRY
 from lowtide.errors import JobFileError
+from lowtide.output_fields import RULE_NEEDS, ReduceRule, default_reduce, json_type
 
 _JOB_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
 
@@ -27,13 +29,42 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+COLUMN_TYPES = ("string", "integer", "number", "boolean", "date", "timestamp")
+"""Types an input column can be given in `[input] columns = {name = "type"}`."""
+
+VIEW_COLUMNS = frozenset(
+    {"run_id", "source_id", "status", "failure_reason", "n_chunks", "chunks_answered"}
+    | {"chunk_index", "outcome"}
+)
+"""Columns lowtide adds to the job view and `<view>_chunks`: no input column or output field
+may take these names (it would shadow them, and `WHERE status = 'succeeded'` would lie)."""
+
+
 class InputSpec(_Strict):
     path: str
     id_column: str
     text_column: str
-    columns: list[str] = Field(default_factory=list)
+    columns: list[str] | dict[str, str] = Field(default_factory=list)
+    """Extra columns to keep: a list of names (types as read), or a table name → type."""
     database: str | None = None  # for path = "duckdb:TABLE"
     priority_column: str | None = None  # truthy rows skip the batch and go realtime at once
+
+    @field_validator("columns")
+    @classmethod
+    def _known_types(cls, v: list[str] | dict[str, str]) -> list[str] | dict[str, str]:
+        if isinstance(v, dict):
+            bad = {k: t for k, t in v.items() if t not in COLUMN_TYPES}
+            if bad:
+                raise ValueError(f"unknown column type(s) {bad}; use one of {list(COLUMN_TYPES)}")
+        return v
+
+    @property
+    def column_names(self) -> list[str]:
+        return list(self.columns)
+
+    @property
+    def column_types(self) -> dict[str, str]:
+        return dict(self.columns) if isinstance(self.columns, dict) else {}
 
 
 class ChunkSpec(_Strict):
@@ -62,6 +93,12 @@ class PromptSpec(_Strict):
     @field_validator("user_template")
     @classmethod
     def _has_text(cls, v: str) -> str:
+        try:
+            list(string.Formatter().parse(v))
+        except ValueError as e:
+            raise ValueError(
+                f"user_template is not a valid template ({e}); write a literal brace as {{{{ or }}}}"
+            ) from e
         if "{text}" not in v:
             raise ValueError("user_template must contain {text}")
         return v
@@ -74,8 +111,27 @@ class OutputSpec(_Strict):
     name: str = "output"
     schema_file: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
+    reduce: dict[str, ReduceRule] = Field(default_factory=dict)
+    """Output field → rule; fields not named take their type's default (see `reduce_rules`)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+OWNED_BODY_KEYS = frozenset(
+    {
+        "model",
+        "messages",
+        "system",
+        "response_format",
+        "output_format",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "stream",
+        "n",
+    }
+)
+"""Request keys lowtide writes itself: `extra_body` may add to a request, never change these."""
 
 
 class ModelSpec(_Strict):
@@ -87,6 +143,19 @@ class ModelSpec(_Strict):
     max_tokens: int = Field(256, ge=1)
     extra_body: dict[str, Any] = Field(default_factory=dict)
     api_key_block: str | None = Field(None, min_length=1)
+
+    @field_validator("extra_body")
+    @classmethod
+    def _no_owned_keys(cls, v: dict[str, Any]) -> dict[str, Any]:
+        owned = sorted(set(v) & OWNED_BODY_KEYS)
+        if owned:
+            raise ValueError(
+                f"extra_body may not set {owned}: lowtide builds those from [model] name, "
+                "temperature and max_tokens, the prompt and the output schema, and records and "
+                "prices what it sent; set them there"
+            )
+        return v
+
     """A Prefect Secret block holding the provider key, read when the key's variable
     (OPENAI_API_KEY, ANTHROPIC_API_KEY) is unset; the block's name, never the key."""
 
@@ -162,6 +231,24 @@ class JobSpec(_Strict):
             )
         return v
 
+    @field_validator("name")
+    @classmethod
+    def _view_is_free(cls, v: str) -> str:
+        from lowtide.store.publish import PIPELINE_TABLES
+
+        view = v.replace("-", "_")
+        if view in PIPELINE_TABLES or view == "row_costs" or view.startswith("src_"):
+            raise ValueError(
+                f"a job named {v!r} would publish its view as {view!r}, which is one of "
+                "lowtide's own tables; choose another name"
+            )
+        if view.endswith("_chunks"):
+            raise ValueError(
+                f"a job name may not end in _chunks ({view!r} is the chunk view of job "
+                f"{view.removesuffix('_chunks')!r}); choose another name"
+            )
+        return v
+
     @property
     def view_name(self) -> str:
         """The per-job view in the published file: the job name with hyphens as underscores."""
@@ -195,9 +282,59 @@ class JobSpec(_Strict):
         }
         return hashlib.sha256(orjson.dumps(material, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
+    def reduce_rules(self) -> dict[str, str]:
+        """Every output field's reduce rule: the job file's, else its type's default."""
+        props = self.output_schema.get("properties", {})
+        return {
+            name: self.output.reduce.get(name)
+            or default_reduce(spec if isinstance(spec, dict) else {})
+            for name, spec in props.items()
+        }
+
     def enum_fields(self) -> dict[str, list[str]]:
         props = self.output_schema.get("properties", {})
         return {k: list(v["enum"]) for k, v in props.items() if isinstance(v, dict) and "enum" in v}
+
+
+def _check_reduce(job: JobSpec, path: Path) -> None:
+    props = job.output_schema.get("properties", {})
+    for name, rule in job.output.reduce.items():
+        if name not in props:
+            raise JobFileError(
+                path, f"[output.reduce] {name!r} is not a field of the output schema {list(props)}"
+            )
+        spec = props[name] if isinstance(props[name], dict) else {}
+        kind = "enum" if "enum" in spec and rule in ("max", "min") else json_type(spec)
+        allowed = RULE_NEEDS.get(rule)
+        if allowed and kind not in allowed:
+            raise JobFileError(
+                path,
+                f"[output.reduce] {name} = {rule!r} needs a field of type {' or '.join(allowed)}; "
+                f"{name} is {json_type(spec)}. Use first or majority, or another rule",
+            )
+
+
+def _check_names(job: JobSpec, path: Path) -> None:
+    """Input columns and output fields must not shadow each other or lowtide's own columns."""
+    spec = job.input
+    inputs = [spec.id_column, spec.text_column, *spec.column_names]
+    taken = sorted(set(inputs) & VIEW_COLUMNS)
+    if taken:
+        raise JobFileError(
+            path,
+            f"[input] column name(s) {taken} are lowtide's own view columns; rename the column "
+            "in the input (or select it under another name)",
+        )
+    for name in job.output_schema.get("properties", {}):
+        if not name.strip():
+            raise JobFileError(path, "[output] schema has a property with an empty name")
+        if name in VIEW_COLUMNS or name in inputs:
+            raise JobFileError(
+                path,
+                f"[output] schema property {name!r} clashes with "
+                + ("lowtide's own view column" if name in VIEW_COLUMNS else "an input column")
+                + " of that name; rename the property",
+            )
 
 
 def _describe(err: ValidationError) -> str:
@@ -209,6 +346,8 @@ def _describe(err: ValidationError) -> str:
             msg = "unknown key (see docs/job-file.md for the keys a job file accepts)"
         elif e["type"] == "missing":
             msg = "required key is missing"
+        elif e["type"] == "value_error":
+            msg = msg.removeprefix("Value error, ")
         parts.append(f"[{where}] {msg}")
     return "; ".join(parts)
 
@@ -220,8 +359,14 @@ def load_job(path: str | Path, backend: str | None = None) -> JobSpec:
         raise JobFileError(path, "job file not found")
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise JobFileError(
+            path, f"is not UTF-8 text (byte {e.start} cannot be read); save it as UTF-8"
+        ) from e
     except tomllib.TOMLDecodeError as e:
         raise JobFileError(path, f"not valid TOML: {e}") from e
+    except OSError as e:
+        raise JobFileError(path, f"cannot be read: {e.strerror}") from e
     try:
         job = JobSpec.model_validate(raw)
     except ValidationError as e:
@@ -237,14 +382,27 @@ def load_job(path: str | Path, backend: str | None = None) -> JobSpec:
         )
     job.output_schema = _read_schema(job, path)
     fields = set(job.prompt.template_fields()) - {"text"}
-    missing = fields - set(job.input.columns)
+    missing = fields - set(job.input.column_names)
     if missing:
         raise JobFileError(
             path,
             f"[prompt.user_template] uses {sorted(missing)} which are not in [input] columns; "
             "add them to columns",
         )
+    _check_names(job, path)
+    _check_reduce(job, path)
+    _check_encoding(job, path)
     return job
+
+
+def _check_encoding(job: JobSpec, path: Path) -> None:
+    import bpe_openai
+
+    known = bpe_openai.list_encoding_names()
+    if job.chunk.encoding not in known:
+        raise JobFileError(
+            path, f"[chunk] encoding {job.chunk.encoding!r} is unknown; use one of {known}"
+        )
 
 
 def _read_schema(job: JobSpec, path: Path) -> dict[str, Any]:
@@ -261,6 +419,18 @@ def _read_schema(job: JobSpec, path: Path) -> dict[str, Any]:
             schema = orjson.loads(schema_path.read_bytes())
         except orjson.JSONDecodeError as e:
             raise JobFileError(path, f"[output.schema_file] {schema_path} is not JSON: {e}") from e
-    if schema.get("type") != "object" or not isinstance(schema.get("properties"), dict):
-        raise JobFileError(path, "[output] schema must be an object schema with properties")
+    where = f"[output.schema_file] {out.schema_file}" if out.schema_file else "[output.schema]"
+    if (
+        not isinstance(schema, dict)
+        or schema.get("type") != "object"
+        or not isinstance(schema.get("properties"), dict)
+    ):
+        raise JobFileError(
+            path, f"{where} must be a JSON object schema with properties (type = object)"
+        )
+    try:
+        jsonschema_rs.validator_for(schema)
+    except jsonschema_rs.ValidationError as e:
+        first = str(e).strip().splitlines()[0]
+        raise JobFileError(path, f"{where} is not a valid JSON Schema: {first}") from e
     return schema

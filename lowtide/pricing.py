@@ -8,7 +8,7 @@ from pathlib import Path
 
 import polars as pl
 
-from lowtide.errors import PriceError
+from lowtide.errors import PriceError, PriceTableError
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,51 @@ class Price:
         }
 
 
+PRICE_COLUMNS = {
+    "provider": pl.String,
+    "model": pl.String,
+    "effective_date": pl.String,
+    "input_usd_per_mtok": pl.Float64,
+    "cached_input_usd_per_mtok": pl.Float64,
+    "output_usd_per_mtok": pl.Float64,
+    "batch_discount": pl.Float64,
+}
+
+
+def _read_prices(path: Path) -> pl.DataFrame:
+    """The price table, checked: its columns, numbers that are prices, discounts that are a
+    fraction of the list price."""
+    try:
+        prices = pl.read_csv(path, schema_overrides=PRICE_COLUMNS, encoding="utf8")
+    except (pl.exceptions.PolarsError, UnicodeDecodeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise PriceTableError(
+            f"{path}: not a readable price table ({first}); it needs the columns "
+            f"{', '.join(PRICE_COLUMNS)}"
+        ) from e
+    missing = [c for c in PRICE_COLUMNS if c not in prices.columns]
+    if missing:
+        raise PriceTableError(f"{path}: price table lacks column(s) {missing}")
+    numbers = [c for c, t in PRICE_COLUMNS.items() if t == pl.Float64]
+    checked = prices.with_row_index("row").with_columns(
+        pl.any_horizontal([pl.col(c).is_null() | (pl.col(c) < 0) for c in numbers]).alias("bad"),
+        (pl.col("batch_discount") > 1).alias("bad_discount"),
+    )
+    bad = checked.filter(pl.col("bad") | pl.col("bad_discount"))
+    if bad.height:
+        r = bad.row(0, named=True)
+        what = (
+            f"batch_discount {r['batch_discount']} is above 1 (it multiplies the list price: "
+            "0.5 for half price)"
+            if r["bad_discount"]
+            else "a price is missing or negative"
+        )
+        raise PriceTableError(
+            f"{path}: line {r['row'] + 2} ({r['provider']}, {r['model']}): {what}; fix that row"
+        )
+    return prices
+
+
 def load_price(
     table: str | Path | None, provider: str, model: str, on: date | None = None
 ) -> Price:
@@ -48,7 +93,7 @@ def load_price(
     path = Path(table)
     if not path.is_file():
         raise PriceError(f"{path}: price table not found ([cost] price_table)")
-    prices = pl.read_csv(path, schema_overrides={"effective_date": pl.String})
+    prices = _read_prices(path)
     on_s = (on or date.today()).isoformat()
     rows = prices.filter(
         (pl.col("provider") == provider)

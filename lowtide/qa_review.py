@@ -63,6 +63,17 @@ def import_verdicts(store: Store, path: Path) -> dict[str, dict[str, float]]:
             f"{path}: row {first['row']}: verdict {first['verdict']!r} is not one of "
             f"{', '.join(VERDICTS)} (or blank for not reviewed)"
         )
+    reviewed = review.filter(pl.col("verdict") != "")
+    twice = reviewed.filter(pl.len().over("run_id", "unit_id") > 1)
+    if twice.height:
+        first = twice.sort("row").row(0, named=True)
+        rows = twice.filter(
+            (pl.col("run_id") == first["run_id"]) & (pl.col("unit_id") == first["unit_id"])
+        )["row"].to_list()
+        raise ReviewFileError(
+            f"{path}: rows {rows}: unit {first['unit_id']!r} of run {first['run_id']!r} is "
+            "reviewed more than once; keep one verdict per unit"
+        )
     known = store.qa_sample_keys(review["run_id"].unique().to_list())
     unknown = review.join(known, on=["run_id", "unit_id"], how="anti")
     if unknown.height:
@@ -71,9 +82,7 @@ def import_verdicts(store: Store, path: Path) -> dict[str, dict[str, float]]:
             f"{path}: row {first['row']}: unit {first['unit_id']!r} of run {first['run_id']!r} "
             "is not in that run's QA sample"
         )
-    reviewed = review.filter(pl.col("verdict") != "").select(
-        "run_id", "unit_id", "verdict", "correct_value"
-    )
+    reviewed = reviewed.select("run_id", "unit_id", "verdict", "correct_value")
     store.record_verdicts(reviewed)
     summary: dict[str, dict[str, float]] = {}
     for run_id in reviewed["run_id"].unique().sort().to_list():

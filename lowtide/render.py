@@ -23,7 +23,8 @@ err_console = Console(stderr=True, soft_wrap=True)
 
 
 def run_summary(s: dict[str, Any]) -> None:
-    """A run's numbers as a table, and a note when every row came from the cache."""
+    """A run's numbers as a table (with where cached answers came from), a note when every row
+    came from the cache, and one when a real backend's run holds the emulator's answers."""
     t = Table(title=f"run {s['run_id']} — {s['status']}", show_header=False)
     t.add_column(style="bold")
     t.add_column(justify="right")
@@ -63,6 +64,8 @@ def run_summary(s: dict[str, Any]) -> None:
             ),
         ),
     ]
+    if s.get("cached_from"):
+        rows.insert(5, ("  cached answers came from", _by_engine(s["cached_from"])))
     if s.get("failures_by_reason"):
         rows.append(
             (
@@ -81,6 +84,26 @@ def run_summary(s: dict[str, Any]) -> None:
             else f"only the eval set ({sent} requests) was asked afresh, to catch model drift."
         )
         console.print(f"[green]Every row was answered by an earlier run (cache): {tail}[/]")
+    _emulator_note(s)
+
+
+def _by_engine(counts: dict[str, int]) -> str:
+    return ", ".join(f"{engine}: {n:,}" for engine, n in counts.items())
+
+
+def _emulator_note(s: dict[str, Any]) -> None:
+    """Say so when a real backend's run holds answers lowtide's emulator gave (a client pointed
+    at the emulator, or an earlier such run's cache): they are test data, not a model's."""
+    from lowtide.backends import EMULATOR_ENGINE, REGISTRY
+
+    entry = REGISTRY.get(s.get("backend") or "")
+    fake = sum((s.get(k) or {}).get(EMULATOR_ENGINE, 0) for k in ("cached_from", "answered_by"))
+    if entry is not None and not entry.emulated and fake:
+        console.print(
+            f"[yellow]{fake:,} answers of this {entry.name} run were given by lowtide's emulator "
+            "(test data, not a model's); keep emulator runs in their own state file "
+            "(LOWTIDE_STATE).[/]"
+        )
 
 
 def published_query(query: str, db: Path) -> None:

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from lowtide.errors import SettingsError
 
 
 class Settings(BaseSettings):
@@ -56,8 +59,43 @@ class Settings(BaseSettings):
         "(lowtide.crashpoints).",
     )
 
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as e:
+            raise SettingsError(_describe(e, values)) from e
+
+    @field_validator("state", "db")
+    @classmethod
+    def _a_file(cls, v: Path) -> Path:
+        if v.is_dir():
+            raise ValueError(f"{v} is a directory; give a file path (e.g. {v / 'lowtide.duckdb'})")
+        return v
+
+    @field_validator("work_dir")
+    @classmethod
+    def _a_folder(cls, v: Path) -> Path:
+        if v.exists() and not v.is_dir():
+            raise ValueError(f"{v} is a file; give a folder path")
+        return v
+
     def with_overrides(self, **kw: object) -> Settings:
-        return self.model_copy(update={k: v for k, v in kw.items() if v is not None})
+        """These settings with CLI flags / flow parameters on top, checked like the rest."""
+        updates = {k: v for k, v in kw.items() if v is not None}
+        if not updates:
+            return self
+        return Settings(**{**self.model_dump(), **updates})
+
+
+def _describe(err: ValidationError, given: dict[str, object]) -> str:
+    """One line per bad setting, named as the user set it: the flag's value or the variable."""
+    parts = []
+    for e in err.errors():
+        field = str(e["loc"][0]) if e["loc"] else ""
+        where = f"setting {field}" if field in given else f"LOWTIDE_{field.upper()}"
+        shown = f"={e['input']!r}" if isinstance(e.get("input"), str | Path) else ""
+        parts.append(f"{where}{shown}: {e['msg'].removeprefix('Value error, ')}")
+    return "; ".join(parts)
 
 
 def crash_point_armed() -> str | None:

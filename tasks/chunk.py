@@ -82,9 +82,13 @@ def chunk_units(
     """(source_id, text, …) → units (unit_id, source_id, kind, chunk_index, n_chunks, text, …).
 
     Rows whose text fits the budget in bytes pass through untouched (vectorised); only the long
-    tail is tokenized. Null text becomes an empty unit, which later fails with a reason.
+    tail is tokenized. Null or whitespace-only text becomes an empty unit, which is never sent
+    and fails with a reason.
     """
-    rows = rows.with_columns(pl.col("text").fill_null(""))
+    blank = pl.col("text").is_null() | (pl.col("text").str.strip_chars() == "")
+    rows = rows.with_columns(
+        pl.when(blank).then(pl.lit("")).otherwise(pl.col("text")).alias("text")
+    )
     long_mask = pl.col("text").str.len_bytes() > max_tokens
     short = rows.filter(~long_mask).with_columns(
         pl.lit(0, pl.Int32).alias("chunk_index"),
@@ -141,7 +145,9 @@ def job_units(job: JobSpec, rows: pl.DataFrame, evals: pl.DataFrame | None) -> p
     ]
     if evals is not None:
         gold = [f for f in job.output_schema.get("properties", {})]
-        evals = evals.drop([g for g in gold if g in evals.columns and g not in job.input.columns])
+        evals = evals.drop(
+            [g for g in gold if g in evals.columns and g not in job.input.column_names]
+        )
         parts.append(
             chunk_units(
                 evals,

@@ -1,8 +1,12 @@
 """dedupe: units → unique request keys; identical units are asked once and fanned out.
 
-key = sha256(prompt fingerprint, normalised rendered user message). The fingerprint covers the
-system prompt, examples, schema, model and parameters, so any change makes new keys. Keys that an
-earlier run already answered are cache hits; keys sitting in a live batch are attached, not resent.
+key = sha256(prompt fingerprint @ answer family, normalised rendered user message). The
+fingerprint covers the system prompt, examples, schema, model and parameters, so any change makes
+new keys. The answer family (`BackendEntry.answer_family`: `emulator`, or `openai:<model>`,
+`anthropic:<model>`, `vllm:<model>`) says whose answers the run's engine gives, so answers are
+shared only between engines of one provider family running one model id, and the emulator's
+invented answers never reach a real backend's run. Keys that an earlier run already answered are
+cache hits; keys sitting in a live batch are attached, not resent.
 """
 
 from __future__ import annotations
@@ -13,14 +17,20 @@ import time
 import polars as pl
 from prefect import task
 
+from lowtide.backends import backend_entry
 from lowtide.context import RunContext
 from lowtide.jobspec import JobSpec
 from lowtide.runlog import stage_log
 from lowtide.store.compute import sha256_hex
 from tasks.load import PRIORITY
 
-CUSTOM_ID_VERSION = "lt1"
-"""Version of the custom_id recipe. Changing the recipe orphans in-flight batches: bump it."""
+CUSTOM_ID_VERSION = "lt2"
+"""Version of the custom_id recipe. Changing the recipe orphans in-flight batches: bump it.
+
+lt2 (lt1 + the answer family in the key): answers stored under lt1 keys are never cache hits
+again (they do not say which engine gave them), so the first lt2 run of a job asks afresh. A run
+already in flight is unaffected: resuming reads its stored units and manifest, keys are computed
+only before a run's manifest exists."""
 
 
 def render_user(units: pl.DataFrame, template: str) -> pl.Expr:
@@ -77,11 +87,17 @@ def unique_requests(keyed: pl.DataFrame) -> pl.DataFrame:
     )
 
 
+def answer_family(job: JobSpec) -> str:
+    """Whose answers the job's engine gives (`[model] backend` running `[model] name`)."""
+    return backend_entry(job.model.backend).answer_family(job.model.name)
+
+
 def key_units(job: JobSpec, units: pl.DataFrame, run_id: str) -> pl.DataFrame:
-    """`request_keys` for a run's units: row units under the job's prompt fingerprint, eval
-    units under one that carries `run_id` when `[qa] eval_every_run` (never a cache hit); an
-    empty unit gets custom_id "" (no request: it ends as a failed row with a reason)."""
-    fingerprint = job.prompt_fingerprint()
+    """`request_keys` for a run's units: row units under the job's prompt fingerprint and answer
+    family, eval units under one that also carries `run_id` when `[qa] eval_every_run` (never a
+    cache hit); an empty unit gets custom_id "" (no request: it ends as a failed row with a
+    reason)."""
+    fingerprint = f"{job.prompt_fingerprint()}@{answer_family(job)}"
     rows = units.filter(pl.col("kind") == "row")
     evals = units.filter(pl.col("kind") == "eval")
     # The eval set is asked afresh in every run (its keys carry the run id): a cached answer

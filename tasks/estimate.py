@@ -30,7 +30,7 @@ from typing import Any
 import polars as pl
 
 from lowtide.backends import REGISTRY, BackendEntry
-from lowtide.errors import PriceError
+from lowtide.errors import PriceError, PriceTableError
 from lowtide.jobspec import JobSpec, load_job
 from lowtide.planner import DEFAULT_TOKENS_PER_S
 from lowtide.pricing import Price, load_price
@@ -127,6 +127,8 @@ def estimate_job(job: JobSpec, settings: Settings, backend: str | None = None) -
             continue
         try:
             price = _token_price(job, entry)
+        except PriceTableError:
+            raise
         except PriceError as e:
             skipped[name] = str(e)
             continue

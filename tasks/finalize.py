@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import duckdb
 import polars as pl
 from prefect import task
 
 from lowtide.context import RunContext
+from lowtide.errors import PublishError
+from lowtide.render import one_line
 from lowtide.runlog import stage_log
 from lowtide.vocabulary import ANSWERED
 
@@ -25,7 +28,7 @@ def row_outcomes(outcomes: pl.DataFrame) -> pl.DataFrame:
         .otherwise(pl.col("outcome").fill_null("missing"))
         .alias("reason"),
         pl.when(pl.col("custom_id") == "")
-        .then(pl.lit("the row's text is empty; nothing to ask"))
+        .then(pl.lit("the row's text is empty or only whitespace; nothing to ask"))
         .otherwise(pl.col("error"))
         .alias("detail"),
     )
@@ -72,6 +75,14 @@ def finalize_task(ctx: RunContext, run_id: str) -> dict:
 def publish_task(ctx: RunContext, run_id: str) -> str:
     """Rebuild the analysts' file atomically. The job view shows each job's latest published
     run, so a held or cancelled run is in the tables but not in its view."""
-    path = ctx.store.publish(ctx.db_path)
+    try:
+        path = ctx.store.publish(ctx.db_path)
+    except (duckdb.Error, OSError) as e:
+        message = (
+            f"publishing {ctx.db_path} failed: {one_line(str(e))}; the previous file is "
+            f"unchanged. Fix the cause, then: lowtide publish {run_id}"
+        )
+        ctx.store.unpublish_after_failure(run_id, message)
+        raise PublishError(message) from e
     stage_log("publish", "%s written for run %s", path, run_id)
     return str(path)

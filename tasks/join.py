@@ -19,16 +19,20 @@ from tasks.submit import retry_transient
 
 
 def join_results(
-    members: pl.DataFrame, returned: pl.DataFrame, missing_reason: str
+    members: pl.DataFrame,
+    returned: pl.DataFrame,
+    missing_reason: str,
+    unmatched: RequestStatus = RequestStatus.MISSING,
 ) -> pl.DataFrame:
-    """Match results to the batch's requests by custom_id; unmatched requests become missing.
+    """Match results to the batch's requests by custom_id; unmatched requests get `unmatched`
+    (missing, or cancelled / expired when the whole batch was) and `missing_reason`.
 
     Results for ids that were not in the batch are dropped; a repeated id keeps its first line.
     """
     returned = returned.unique(subset="custom_id", keep="first", maintain_order=True)
     joined = members.join(returned, on="custom_id", how="left")
     return joined.with_columns(
-        pl.col("status").fill_null(pl.lit("missing")),
+        pl.col("status").fill_null(pl.lit(unmatched.value)),
         pl.when(pl.col("status").is_null())
         .then(pl.lit(missing_reason))
         .otherwise(pl.col("error"))
@@ -36,7 +40,23 @@ def join_results(
     ).select(list(RESULT_SCHEMA))
 
 
+_UNMATCHED = {
+    BatchStatus.CANCELLED.value: (
+        RequestStatus.CANCELLED,
+        "the batch was cancelled before this request ran",
+    ),
+    BatchStatus.EXPIRED.value: (
+        RequestStatus.EXPIRED,
+        "the batch expired before this request ran",
+    ),
+}
+"""A request a cancelled or expired batch never ran ended that way, not lost: it is reported
+(and retried, where retrying applies) as cancelled / expired."""
+
+
 def _missing_reason(batch: dict) -> str:
+    if batch["status"] in _UNMATCHED and not batch["errors"]:
+        return _UNMATCHED[batch["status"]][1]
     if batch["errors"]:
         errors = orjson.loads(batch["errors"])
         shown = "; ".join(
@@ -74,7 +94,10 @@ def join_task(ctx: RunContext, batch_id: str) -> dict:
     if returned is None:
         returned = pl.DataFrame(schema=RESULT_SCHEMA)
     crash_point("during_download")
-    joined = join_results(store.batch_members(batch_id), returned, _missing_reason(batch))
+    unmatched = _UNMATCHED.get(batch["status"], (RequestStatus.MISSING, ""))[0]
+    joined = join_results(
+        store.batch_members(batch_id), returned, _missing_reason(batch), unmatched
+    )
     path = ctx.work_dir(batch["run_id"]) / f"results-{batch_id}.parquet"
     joined.write_parquet(path)
     counts = joined["status"].value_counts()

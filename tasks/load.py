@@ -23,8 +23,12 @@ PRIORITY = "_priority"
 """Column carrying a row's urgency through chunking and dedupe (from [input] priority_column)."""
 
 
-def read_table(path: str, database: str | None = None) -> pl.DataFrame:
-    """Read csv, parquet, jsonl/ndjson, or `duckdb:TABLE` from `database`."""
+def read_table(
+    path: str, database: str | None = None, text_columns: tuple[str, ...] = ()
+) -> pl.DataFrame:
+    """Read csv, parquet, jsonl/ndjson, or `duckdb:TABLE` from `database`. A CSV's ISO dates
+    and timestamps become DATE/TIMESTAMP columns; `text_columns` (ids, text) stay text as
+    written, so an id `007` is never read as the number 7."""
     if path.startswith("duckdb:"):
         table = path.removeprefix("duckdb:")
         if not database:
@@ -36,7 +40,13 @@ def read_table(path: str, database: str | None = None) -> pl.DataFrame:
     suffix = p.suffix.lower()
     try:
         if suffix == ".csv":
-            return pl.read_csv(p, infer_schema_length=10_000)
+            header = pl.read_csv(p, n_rows=0).columns
+            return pl.read_csv(
+                p,
+                infer_schema_length=10_000,
+                try_parse_dates=True,
+                schema_overrides={c: pl.String for c in text_columns if c in header},
+            )
         if suffix == ".parquet":
             return pl.read_parquet(p)
         if suffix in (".jsonl", ".ndjson"):
@@ -48,8 +58,59 @@ def read_table(path: str, database: str | None = None) -> pl.DataFrame:
     )
 
 
+_POLARS_TYPES: dict[str, pl.DataType] = {
+    "string": pl.String(),
+    "integer": pl.Int64(),
+    "number": pl.Float64(),
+    "boolean": pl.Boolean(),
+    "date": pl.Date(),
+    "timestamp": pl.Datetime("us"),
+}
+
+
+def _cast(col: pl.Expr, source: pl.DataType, kind: str) -> pl.Expr:
+    if source == pl.String and kind in ("date", "timestamp"):
+        return col.str.to_datetime(strict=False).cast(_POLARS_TYPES[kind])
+    if source == pl.String and kind == "boolean":
+        lowered = col.str.to_lowercase().str.strip_chars()
+        return (
+            pl.when(lowered.is_in(["true", "1", "yes", "y"]))
+            .then(True)
+            .when(lowered.is_in(["false", "0", "no", "n"]))
+            .then(False)
+        )
+    return col.cast(_POLARS_TYPES[kind], strict=False)
+
+
+def cast_columns(frame: pl.DataFrame, types: dict[str, str], where: str) -> pl.DataFrame:
+    """Give columns the types `[input] columns` names; a value that does not convert is an
+    error naming its column, row and value (never a silent NULL)."""
+    for name, kind in types.items():
+        if name not in frame.columns:
+            continue
+        cast = frame.select(_cast(pl.col(name), frame.schema[name], kind).alias("v"))["v"]
+        lost = frame[name].is_not_null() & cast.is_null()
+        if frame[name].dtype == pl.String:
+            lost = lost & (frame[name].str.strip_chars() != "")
+        if lost.any():
+            row = int(lost.arg_true()[0])
+            raise InputError(
+                f"{where}: column {name!r} at data row {row + 2} holds "
+                f"{frame[name][row]!r}, which does not convert to {kind}; fix the value or the column's "
+                "type in [input] columns"
+            )
+        frame = frame.with_columns(cast.alias(name))
+    return frame
+
+
 def normalise_input(
-    frame: pl.DataFrame, *, where: str, id_column: str, text_column: str, columns: list[str]
+    frame: pl.DataFrame,
+    *,
+    where: str,
+    id_column: str,
+    text_column: str,
+    columns: list[str],
+    column_types: dict[str, str] | None = None,
 ) -> pl.DataFrame:
     """Check the columns and ids, and return (source_id, text, *columns) with string ids."""
     missing = [c for c in [id_column, text_column, *columns] if c not in frame.columns]
@@ -63,6 +124,7 @@ def normalise_input(
         pl.col(text_column).cast(pl.String).alias("text"),
         *[pl.col(c) for c in columns if c not in (id_column, text_column)],
     )
+    out = cast_columns(out, column_types or {}, where)
     null_ids = out.with_row_index("row").filter(pl.col("source_id").is_null())
     if null_ids.height:
         rows = (null_ids["row"] + 2).head(5).to_list()  # +2: 1-based, after a header line
@@ -101,14 +163,17 @@ def input_fingerprint(job: JobSpec) -> str:
 def load_input(job: JobSpec) -> pl.DataFrame:
     spec = job.input
     path = job.resolve(spec.path) or ""
-    frame = read_table(path, job.resolve(spec.database))
+    frame = read_table(path, job.resolve(spec.database), (spec.id_column, spec.text_column))
     rows = normalise_input(
         frame,
         where=path,
         id_column=spec.id_column,
         text_column=spec.text_column,
-        columns=spec.columns,
+        columns=spec.column_names,
+        column_types=spec.column_types,
     )
+    if rows.is_empty():
+        raise InputError(f"{path}: the input has no rows (only a header?); nothing to enrich")
     if spec.priority_column is None:
         return rows
     if spec.priority_column not in frame.columns:
@@ -126,7 +191,7 @@ def load_eval_set(job: JobSpec) -> pl.DataFrame | None:
     if not job.qa.eval_set:
         return None
     path = job.resolve(job.qa.eval_set) or ""
-    frame = read_table(path)
+    frame = read_table(path, text_columns=(job.qa.eval_id_column, job.input.text_column))
     template_cols = [c for c in job.prompt.template_fields() if c != "text"]
     gold = [f for f in job.output_schema.get("properties", {}) if f in frame.columns]
     if not gold:
@@ -154,7 +219,10 @@ def load_task(ctx: RunContext, run_id: str) -> dict:
     work_dir = ctx.work_dir(run_id)
     rows.write_parquet(work_dir / "sources.parquet")
     ctx.store.save_sources(
-        source_table(job.view_name), run_id, rows.rename({"text": job.input.text_column})
+        source_table(job.view_name),
+        run_id,
+        # _priority steers sending only; analysts never see it
+        rows.drop(PRIORITY, strict=False).rename({"text": job.input.text_column}),
     )
     out: dict = {"sources": str(work_dir / "sources.parquet"), "rows": rows.height, "eval": None}
     evals = load_eval_set(job)

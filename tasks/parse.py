@@ -15,6 +15,7 @@ import orjson
 import polars as pl
 from prefect import task
 
+from lowtide.backends import EMULATOR_ENGINE
 from lowtide.context import RunContext
 from lowtide.runlog import stage_log
 from lowtide.store import Store
@@ -95,11 +96,26 @@ def parse_results(joined: pl.DataFrame, schema: dict[str, Any]) -> pl.DataFrame:
     )
 
 
+def answered_by(parsed: pl.DataFrame, engine: str) -> pl.Expr:
+    """Which engine gave each result: the emulator when the answer carries its fingerprint
+    (whichever backend's client asked), else `engine`, the run's answer family."""
+    # a results file joined before answers carried the mark has no `emulated` column
+    emulated = pl.col("emulated").fill_null(False) if "emulated" in parsed.columns else False
+    return pl.when(emulated).then(pl.lit(EMULATOR_ENGINE)).otherwise(pl.lit(engine))
+
+
 def store_parsed(
-    store: Store, parsed: pl.DataFrame, *, batch_id: str, run_id: str, channel: str = "batch"
+    store: Store,
+    parsed: pl.DataFrame,
+    *,
+    batch_id: str,
+    run_id: str,
+    engine: str,
+    channel: str = "batch",
 ) -> dict[str, int]:
-    """Upsert parsed results (by custom_id) with how often each request was tried; returns the
-    count per outcome. One place for every channel: batch, realtime and pool."""
+    """Upsert parsed results (by custom_id) with how often each request was tried and which
+    engine answered (`answered_by`); returns the count per outcome. One place for every
+    channel: batch, realtime and pool."""
     rows = parsed.join(
         store.attempt_counts(parsed["custom_id"]), on="custom_id", how="left"
     ).select(
@@ -117,6 +133,7 @@ def store_parsed(
         pl.col("attempts").fill_null(1),
         pl.lit(channel).alias("channel"),
         pl.lit(None, pl.Float64).alias("cost_usd"),  # priced by reconcile, never left stale
+        answered_by(parsed, engine).alias("engine"),
     )
     store.upsert_results(rows)
     counts = parsed["outcome"].value_counts()
@@ -128,7 +145,9 @@ def parse_task(ctx: RunContext, batch_id: str, joined: dict) -> dict:
     """Validate a batch's answers and store them (upsert by custom_id); mark the batch collected."""
     store = ctx.store
     parsed = parse_results(pl.read_parquet(joined["results"]), ctx.job.output_schema)
-    counts = store_parsed(store, parsed, batch_id=batch_id, run_id=joined["run_id"])
+    counts = store_parsed(
+        store, parsed, batch_id=batch_id, run_id=joined["run_id"], engine=ctx.answer_family
+    )
     store.mark_collected(batch_id)
     stage_log("parse", "%s: %s", batch_id, counts)
     return counts

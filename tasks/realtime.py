@@ -86,6 +86,7 @@ def realtime_task(ctx: RunContext, batch_id: str, run_id: str) -> dict:
         parse_results(returned, ctx.job.output_schema),
         batch_id=batch_id,
         run_id=run_id,
+        engine=ctx.answer_family,
         channel=Channel.REALTIME.value,
     )
     store.complete_batch(batch_id)

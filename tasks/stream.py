@@ -40,6 +40,7 @@ def stream_task(ctx: RunContext, batch_id: str, run_id: str) -> dict:
             parse_results(frame, job.output_schema),
             batch_id=batch_id,
             run_id=run_id,
+            engine=ctx.answer_family,
             channel=Channel.POOL.value,
         )
         stored[0] += frame.height

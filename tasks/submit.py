@@ -15,7 +15,7 @@ from prefect import task
 from lowtide.backends.base import Backend, BatchStatus, TerminalBackendError
 from lowtide.context import RunContext
 from lowtide.crashpoints import crash_point
-from lowtide.errors import TransientBackendError
+from lowtide.errors import InputFileGoneError, TransientBackendError
 from lowtide.runlog import stage_log
 from lowtide.store import Store
 
@@ -44,7 +44,14 @@ def submit_batch(store: Store, backend: Backend, batch_id: str) -> str:
         # may have happened, so a restart must look for the batch before creating another
         store.record_uploaded(batch_id, input_file_id)
         crash_point("after_upload")
-    provider_id = backend.create(batch_id, input_file_id, lines)
+    try:
+        provider_id = backend.create(batch_id, input_file_id, lines)
+    except InputFileGoneError:
+        # the create was refused, so nothing exists or was paid for: send the file again
+        input_file_id = backend.upload(batch_id, lines)
+        store.record_uploaded(batch_id, input_file_id)
+        stage_log("submit", "%s: the input file was gone; uploaded again", batch_id)
+        provider_id = backend.create(batch_id, input_file_id, lines)
     crash_point("after_create")
     store.record_created(batch_id, provider_id)
     return provider_id

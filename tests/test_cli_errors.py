@@ -122,3 +122,17 @@ def test_served_model_names_without_engines_is_refused() -> None:
     assert _one_error_line(result.stderr) == (
         "error: --served-model-name names what the vLLM engines serve; add --engines N"
     )
+
+
+def test_qa_import_refuses_two_verdicts_for_one_unit(deep: Path) -> None:
+    review = deep / "review.csv"
+    review.write_text(
+        "run_id,unit_id,verdict,correct_value\nr1,m1#0,correct,\nr1,m2#0,correct,\n"
+        "r1,m1#0,incorrect,billing\n"
+    )
+    result = runner.invoke(app, ["qa", "import", str(review)])
+    assert result.exit_code == 2, result.output
+    assert _one_error_line(result.stderr) == (
+        f"error: {review}: rows [2, 4]: unit 'm1#0' of run 'r1' is reviewed more than once; "
+        "keep one verdict per unit"
+    )

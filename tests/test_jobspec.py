@@ -59,6 +59,34 @@ name = "m"
             BASE + "[chunk]\nmax_tokens = 100\noverlap_tokens = 60\n",
             "overlap_tokens must be less than half",
         ),
+        (
+            BASE.replace('schema.json"', 'schema.json"\nreduce = { b = "first" }'),
+            r"\[output\.reduce\] 'b' is not a field of the output schema \['a'\]",
+        ),
+        (
+            BASE.replace('schema.json"', 'schema.json"\nreduce = { a = "mean" }'),
+            r"\[output\.reduce\] a = 'mean' needs a field of type integer or number; a is string",
+        ),
+        (
+            BASE.replace('schema.json"', 'schema.json"\nreduce = { a = "vote" }'),
+            r"\[output\.reduce\.a\] Input should be 'first'",
+        ),
+        (
+            BASE.replace('text_column = "body"', 'text_column = "body"\ncolumns = ["status"]'),
+            r"\[input\] column name\(s\) \['status'\] are lowtide's own view columns",
+        ),
+        (
+            BASE.replace('id_column = "id"', 'id_column = "run_id"'),
+            r"\['run_id'\] are lowtide's own view columns",
+        ),
+        (
+            BASE.replace('text_column = "body"', 'text_column = "a"'),
+            r"schema property 'a' clashes with an input column of that name",
+        ),
+        (
+            BASE.replace('text_column = "body"', 'text_column = "body"\ncolumns = {at = "time"}'),
+            r"unknown column type\(s\) \{'at': 'time'\}",
+        ),
     ],
 )
 def test_bad_job_files_get_clear_errors(tmp_path: Path, text: str, message: str) -> None:
@@ -73,3 +101,32 @@ def test_unknown_backend_lists_the_known_ones(tmp_path: Path) -> None:
         match="unknown backend 'openai-batch'; known: emulator, openai, anthropic, vllm",
     ):
         load_job(_write(tmp_path, BASE), backend="openai-batch")
+
+
+def test_a_schema_property_named_like_a_view_column_is_refused(tmp_path: Path) -> None:
+    p = _write(tmp_path, BASE)
+    (tmp_path / "schema.json").write_text(
+        '{"type":"object","properties":{"status":{"type":"string"}}}'
+    )
+    with pytest.raises(JobFileError, match="property 'status' clashes with lowtide's own view"):
+        load_job(p)
+
+
+def test_reduce_rules_default_per_type_and_follow_the_job_file(tmp_path: Path) -> None:
+    p = _write(tmp_path, BASE.replace('schema.json"', 'schema.json"\nreduce = { level = "max" }'))
+    (tmp_path / "schema.json").write_text(
+        '{"type":"object","properties":{"a":{"type":"string"},'
+        '"level":{"type":"string","enum":["low","high"]},"flag":{"type":"boolean"},'
+        '"n":{"type":["integer","null"]},"x":{"type":"number"},"tags":{"type":"array"},'
+        '"o":{"type":"object"},"label":{"enum":["p","q"]}}}'
+    )
+    assert load_job(p).reduce_rules() == {
+        "a": "concat",
+        "level": "max",
+        "flag": "any",
+        "n": "max",
+        "x": "mean",
+        "tags": "union",
+        "o": "first",
+        "label": "majority",
+    }

@@ -19,6 +19,10 @@ from lowtide.backends.base import Backend, Capabilities
 from lowtide.errors import TerminalBackendError
 
 Mode = Literal["batch", "stream"]
+EMULATOR_ENGINE = "emulator"
+"""The answer family, and the recorded engine (`results.engine`), of every answer lowtide's
+emulator gave: through its own backend, or through a real backend's client pointed at it (the
+answer carries `wire.EMULATOR_FINGERPRINT`)."""
 RealtimeProtocol = Literal["openai", "anthropic"]
 
 
@@ -51,6 +55,16 @@ class BackendEntry:
     make_realtime: Callable[[Connection], Any] | None = None
     emulator_env: Callable[[str], dict[str, str]] = field(default=lambda url: {})
     """Environment that points this backend's SDK at the emulator at `url` (tests, dry runs)."""
+    family: str | None = None
+    """The provider family whose engines give interchangeable answers for one model id (default:
+    the name). The cross-run cache shares answers only within `answer_family`."""
+
+    def answer_family(self, model: str) -> str:
+        """Whose answers this engine gives when it runs `model`: `emulator` for an emulated
+        engine (test data, whatever model it stands in for), else `<family>:<model>`. Request
+        keys carry it, so answers are reused only between engines of one family and model, and
+        never from the emulator into a real backend's run (tasks/dedupe.py)."""
+        return EMULATOR_ENGINE if self.emulated else f"{self.family or self.name}:{model}"
 
     @property
     def has_realtime(self) -> bool:

@@ -41,7 +41,7 @@ from lowtide.backends.base import (
     TransientBackendError,
 )
 from lowtide.backends.keys import require_key
-from lowtide.backends.wire import is_transient_status
+from lowtide.backends.wire import is_emulator_answer, is_transient_status
 
 T = TypeVar("T")
 
@@ -302,6 +302,7 @@ def message_row(custom_id: str | None, message: Any, structured_output: str) -> 
         "input_tokens": usage.input_tokens + cache_write + cache_read,
         "cached_tokens": cache_read,
         "output_tokens": usage.output_tokens,
+        "emulated": is_emulator_answer(message),
     }
 
 

@@ -73,6 +73,7 @@ RESULT_SCHEMA = {
     "input_tokens": pl.Int64,
     "cached_tokens": pl.Int64,
     "output_tokens": pl.Int64,
+    "emulated": pl.Boolean,  # the answer carries the emulator's fingerprint (wire.py)
 }
 
 

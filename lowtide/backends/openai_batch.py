@@ -21,7 +21,8 @@ from lowtide.backends.base import (
     TransientBackendError,
 )
 from lowtide.backends.keys import require_key
-from lowtide.backends.wire import is_transient_status
+from lowtide.backends.wire import EMULATOR_FINGERPRINT, is_transient_status
+from lowtide.errors import InputFileGoneError
 
 T = TypeVar("T")
 
@@ -74,6 +75,7 @@ _LINE_SCHEMA: dict[str, Any] = {
                     "error": pl.Struct(
                         {"message": pl.String, "type": pl.String, "code": pl.String}
                     ),
+                    "system_fingerprint": pl.String,
                 }
             ),
         }
@@ -104,6 +106,12 @@ def translate(exc: openai.OpenAIError, operation: str) -> Exception:
         isinstance(exc, openai.APIStatusError) and is_transient_status(exc.status_code)
     ):
         return TransientBackendError(f"{operation}: {exc}", backend="openai", operation=operation)
+    if (
+        operation == "create"
+        and isinstance(exc, openai.BadRequestError | openai.NotFoundError)
+        and "input_file_id" in (getattr(exc, "param", None) or str(exc))
+    ):
+        return InputFileGoneError(f"{operation}: {exc}", backend="openai", operation=operation)
     return TerminalBackendError(f"{operation}: {exc}", backend="openai", operation=operation)
 
 
@@ -206,6 +214,9 @@ def parse_result_lines(content: bytes) -> pl.DataFrame:
         .struct.field("cached_tokens")
         .alias("cached_tokens"),
         usage.struct.field("completion_tokens").alias("output_tokens"),
+        (body.struct.field("system_fingerprint") == EMULATOR_FINGERPRINT)
+        .fill_null(False)
+        .alias("emulated"),
     ).cast(RESULT_SCHEMA)  # type: ignore[arg-type]
 
 

@@ -16,6 +16,11 @@ from typing import Any
 
 from lowtide.backends.base import RequestStatus
 
+EMULATOR_FINGERPRINT = "fp_lowtide_emulator"
+"""How lowtide's emulator signs every answer it gives (`system_fingerprint` of a chat completion,
+and the same extra field on an Anthropic message): an answer is recorded as the emulator's from
+what actually answered, whichever backend's client asked (`results.engine`)."""
+
 _TRANSIENT_4XX = frozenset({408, 409, 429})
 _ANSWERED = RequestStatus.ANSWERED.value
 _NOTHING: dict[str, Any] = {}
@@ -68,7 +73,7 @@ def _finite(value: str | None) -> float | None:
 def completion_row(custom_id: str | None, completion: Mapping[str, Any]) -> tuple[Any, ...]:
     """One `chat.completion` (parsed JSON) → a RESULT_SCHEMA row, as a tuple in column order:
     (custom_id, status, raw_text, finish_reason, error, input_tokens, cached_tokens,
-    output_tokens).
+    output_tokens, emulated).
 
     The status is always `answered`; `raw_text` and `finish_reason` come from the first choice,
     and `error` is "refusal: <text>" when its message carries a refusal. Tokens come from
@@ -76,7 +81,8 @@ def completion_row(custom_id: str | None, completion: Mapping[str, Any]) -> tupl
     out is None — cached tokens included when it does not report them (vLLM without
     `--enable-prompt-tokens-details`), exactly as `openai_batch.parse_result_lines` reads a
     batch output file. Never raises on a malformed completion: callers that must tell one
-    apart check for a first choice themselves. Plain dict access only: the vLLM pool calls
+    apart check for a first choice themselves. `emulated` is whether the completion carries
+    the emulator's `system_fingerprint`. Plain dict access only: the vLLM pool calls
     this once per answer, so nested parts are checked with `isinstance(…, dict)` (what JSON
     parsers and pydantic's `model_dump` produce), not against the slower Mapping ABC."""
     choices = completion.get("choices")
@@ -100,4 +106,11 @@ def completion_row(custom_id: str | None, completion: Mapping[str, Any]) -> tupl
         usage.get("prompt_tokens"),
         details.get("cached_tokens") if isinstance(details, dict) else None,
         usage.get("completion_tokens"),
+        completion.get("system_fingerprint") == EMULATOR_FINGERPRINT,
     )
+
+
+def is_emulator_answer(response: Any) -> bool:
+    """True when an SDK response object (an OpenAI completion, an Anthropic message, whose
+    models keep unknown fields) carries the emulator's fingerprint."""
+    return getattr(response, "system_fingerprint", None) == EMULATOR_FINGERPRINT

@@ -17,6 +17,7 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
+from lowtide.backends.wire import EMULATOR_FINGERPRINT
 from lowtide.emulator import model as emodel
 from lowtide.emulator.faults import ApiError
 from lowtide.emulator.routes_common import anthropic_json_body, emulator_state, json_response
@@ -120,6 +121,8 @@ def create_message(
         "content": content,
         "stop_reason": stop_reason,
         "stop_sequence": None,
+        # not an Anthropic field (the SDK keeps unknown ones): how lowtide tells its answers apart
+        "system_fingerprint": EMULATOR_FINGERPRINT,
         "usage": {
             "input_tokens": input_tokens,
             "cache_creation_input_tokens": creation,

@@ -17,6 +17,7 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
+from lowtide.backends.wire import EMULATOR_FINGERPRINT
 from lowtide.emulator import model as emodel
 from lowtide.emulator.faults import ApiError
 from lowtide.emulator.routes_common import emulator_state, json_response, openai_json_body
@@ -123,7 +124,7 @@ def chat_completion(
             },
         },
         "service_tier": "default",
-        "system_fingerprint": "fp_lowtide_emulator",
+        "system_fingerprint": EMULATOR_FINGERPRINT,  # how lowtide tells its answers apart
     }
 
 

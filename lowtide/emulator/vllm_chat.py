@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 from fastapi.responses import Response
 
+from lowtide.backends.wire import EMULATOR_FINGERPRINT
 from lowtide.emulator import model as emulated_model
 from lowtide.emulator.engine_capacity import EngineConfig, prefix_block_hashes
 from lowtide.emulator.routes_common import json_response
@@ -63,7 +64,7 @@ def chat_completion(
             }
         ],
         "service_tier": None,
-        "system_fingerprint": None,
+        "system_fingerprint": EMULATOR_FINGERPRINT,  # vLLM sends null: this marks the emulator
         "usage": {
             "prompt_tokens": prompt_tokens,
             "total_tokens": prompt_tokens + completion_tokens,

@@ -6,7 +6,8 @@
 - `manifest`: sources, units, requests and batches (the write-ahead manifest);
 - `results`: results, re-asks, prices and the per-run tables derived from them;
 - `publish`: the analysts' file, rebuilt and swapped in atomically;
-- `reports`: read models for status, summaries, reports and exports.
+- `reports`: read models for status, summaries, reports and exports;
+- `history`: a job's runs over time, for the charts of `lowtide report`.
 
 Connections and quoting are private (`_db`, `_sql`); `compute` is SQL used as a calculator
 (hashes, reading an input table) that touches no state. Nothing outside this package writes SQL.
@@ -14,14 +15,15 @@ Connections and quoting are private (`_db`, `_sql`); `compute` is SQL used as a 
 
 from __future__ import annotations
 
+from lowtide.store.history import HistoryStore, JobHistory
 from lowtide.store.manifest import ManifestStore
 from lowtide.store.reports import EXPORT_FORMATS, ReportsStore
 from lowtide.store.results import ResultsStore
 from lowtide.store.runs import now
 
 
-class Store(ReportsStore, ManifestStore, ResultsStore):
+class Store(ReportsStore, ManifestStore, ResultsStore, HistoryStore):
     """The state file. Each public method is one short transaction, named for its purpose."""
 
 
-__all__ = ["EXPORT_FORMATS", "Store", "now"]
+__all__ = ["EXPORT_FORMATS", "JobHistory", "Store", "now"]

@@ -235,6 +235,29 @@ MIGRATIONS.append(
     )
 )
 
+MIGRATIONS.append(
+    (
+        7,
+        "how a job's chunk answers combine into its row's answer",
+        """
+        ALTER TABLE jobs ADD COLUMN reduce VARCHAR;  -- JSON: output field -> rule
+        """,
+    )
+)
+
+MIGRATIONS.append(
+    (
+        8,
+        "every result says which engine gave it (the cache's answer families)",
+        """
+        ALTER TABLE results ADD COLUMN engine VARCHAR;  -- emulator | <family>:<model>
+        UPDATE results SET engine = CASE WHEN runs.backend = 'emulator' THEN 'emulator'
+                                         ELSE runs.backend || ':' || runs.model END
+            FROM runs WHERE runs.run_id = results.run_id;
+        """,
+    )
+)
+
 LATEST = MIGRATIONS[-1][0]
 
 

@@ -14,12 +14,15 @@ from typing import Any
 
 import duckdb
 
+from lowtide.output_fields import default_reduce, json_type
 from lowtide.store._sql import ident, json_path, literal, literal_list
 from lowtide.store.runs import RunsStore
 from lowtide.vocabulary import ANSWERED
 
 PIPELINE_TABLES = (
     "schema_version",
+    "jobs",
+    "request_templates",
     "runs",
     "units",
     "requests",
@@ -38,62 +41,167 @@ _SQL_TYPES = {"string": "VARCHAR", "integer": "BIGINT", "number": "DOUBLE", "boo
 
 
 def _field_type(spec: dict[str, Any]) -> str:
-    kind = spec.get("type", "string")
-    if isinstance(kind, list):  # nullable union like ["string", "null"]
-        kind = next((k for k in kind if k != "null"), "string")
+    """The view column's type: an ENUM for a string field with `enum`, a list for an array of
+    scalars, JSON for what has no column type."""
+    kind = json_type(spec)
+    values = [v for v in spec.get("enum", []) if v is not None]
+    if kind == "string" and values and all(isinstance(v, str) for v in values):
+        return f"ENUM({', '.join(literal(v) for v in dict.fromkeys(values))})"
+    if kind == "array":
+        items = spec.get("items")
+        item = _SQL_TYPES.get(json_type(items)) if isinstance(items, dict) else None
+        return f"{item or 'JSON'}[]"
     return _SQL_TYPES.get(kind, "JSON")
 
 
-def job_rows_sql(
+def _field_expr(name: str, spec: dict[str, Any]) -> str:
+    sql_type = _field_type(spec)
+    path = json_path(name)
+    if sql_type == "JSON":
+        return f"json_extract(r.output, {path})"
+    if sql_type.endswith("[]"):
+        return f"TRY_CAST(json_extract(r.output, {path}) AS {sql_type})"
+    return f"TRY_CAST(json_extract_string(r.output, {path}) AS {sql_type})"
+
+
+def _chosen(job: str, run_id: str | None) -> str:
+    """The run a view shows: the given one, else the job's newest published run by start (a
+    run collected late never replaces a newer run that was already published)."""
+    if run_id is not None:
+        return f"SELECT {literal(run_id)} AS run_id"
+    return (
+        f"SELECT run_id FROM runs WHERE job = {literal(job)} AND published_at IS NOT NULL "
+        "ORDER BY started_at DESC LIMIT 1"
+    )
+
+
+def _properties(schema: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {k: (v if isinstance(v, dict) else {}) for k, v in schema.get("properties", {}).items()}
+
+
+def _unit_rows(job: str, schema: dict[str, Any], run_id: str | None) -> str:
+    """One row per unit of the chosen run: its chunk, its outcome, its typed answer."""
+    outputs = "".join(
+        f",\n           {_field_expr(name, spec)} AS {ident(name)}"
+        for name, spec in _properties(schema).items()
+    )
+    return f"""
+    WITH chosen AS ({_chosen(job, run_id)})
+    SELECT u.source_id, u.chunk_index, u.n_chunks, u.run_id, r.outcome,
+           coalesce(r.outcome IN {_ANSWERED}, false) AND u.custom_id <> '' AS answered,
+           CASE WHEN u.custom_id = '' THEN 'empty_text: the row''s text is empty or only whitespace'
+                WHEN r.outcome IN {_ANSWERED} THEN NULL
+                ELSE coalesce(r.outcome || ': ' || r.error, r.outcome, 'no answer') END
+               AS failure_reason{outputs}
+    FROM chosen
+    JOIN units u ON u.run_id = chosen.run_id AND u.kind = 'row'
+    LEFT JOIN results r ON r.custom_id = u.custom_id
+    """
+
+
+def chunk_rows_sql(
     job: str, src_table: str, id_column: str, schema: dict[str, Any], run_id: str | None = None
 ) -> str:
-    """One row per unit of a run (default: the job's latest published run): source columns,
-    then the output schema's fields as typed columns."""
-    fields = []
-    for name, spec in schema.get("properties", {}).items():
-        sql_type = _field_type(spec if isinstance(spec, dict) else {})
-        path = json_path(name)
-        if sql_type == "JSON":
-            fields.append(f"json_extract(r.output, {path}) AS {ident(name)}")
-        else:
-            fields.append(
-                f"TRY_CAST(json_extract_string(r.output, {path}) AS {sql_type}) AS {ident(name)}"
-            )
-    outputs = ",\n       ".join(fields)
-    if run_id is None:
-        chosen = (
-            f"SELECT run_id FROM runs WHERE job = {literal(job)} AND published_at IS NOT NULL "
-            "ORDER BY published_at DESC LIMIT 1"
-        )
-    else:
-        chosen = f"SELECT {literal(run_id)} AS run_id"
+    """One row per chunk of the run (default: the job's shown run): the chunk's own answer."""
+    fields = "".join(f", c.{ident(name)}" for name in _properties(schema))
     return f"""
-WITH chosen AS ({chosen})
-SELECT s.source_id AS {ident(id_column)},
-       s.* EXCLUDE (run_id, source_id),
-       u.chunk_index, u.n_chunks,
-       CASE WHEN r.outcome IN {_ANSWERED} THEN 'succeeded' ELSE 'failed' END AS status,
-       r.outcome,
-       {outputs},
-       CASE WHEN u.custom_id = '' THEN 'empty_text: the row''s text is empty'
-            WHEN r.outcome IN {_ANSWERED} THEN NULL
-            ELSE coalesce(r.outcome || ': ' || r.error, r.outcome, 'no answer') END
+WITH c AS ({_unit_rows(job, schema, run_id)})
+SELECT c.source_id AS {ident(id_column)}, s.* EXCLUDE (run_id, source_id),
+       c.chunk_index, c.n_chunks,
+       CASE WHEN c.answered THEN 'succeeded' ELSE 'failed' END AS status,
+       c.outcome{fields}, c.failure_reason, c.run_id
+FROM c JOIN {ident(src_table)} s ON s.run_id = c.run_id AND s.source_id = c.source_id
+ORDER BY c.source_id, c.chunk_index
+"""
+
+
+_ANSWERED_ONLY = "FILTER (WHERE answered AND {f} IS NOT NULL)"
+_REDUCERS = {
+    "first": "arg_min({f}, chunk_index) " + _ANSWERED_ONLY,
+    "any": "bool_or({f}) " + _ANSWERED_ONLY,
+    "all": "bool_and({f}) " + _ANSWERED_ONLY,
+    "max": "max({f}) " + _ANSWERED_ONLY,
+    "min": "min({f}) " + _ANSWERED_ONLY,
+    "mean": "avg({f}) " + _ANSWERED_ONLY,
+    "concat": "string_agg({f}, ' ' ORDER BY chunk_index) " + _ANSWERED_ONLY,
+    "union": "list_sort(list_distinct(flatten(list({f} ORDER BY chunk_index) "
+    + _ANSWERED_ONLY
+    + ")))",
+}
+
+
+def job_rows_sql(
+    job: str,
+    src_table: str,
+    id_column: str,
+    schema: dict[str, Any],
+    run_id: str | None = None,
+    reduce: dict[str, str] | None = None,
+) -> str:
+    """One row per input row of the run (default: the job's shown run): source columns, each
+    output field reduced over the row's answered chunks by its rule (`[output] reduce`), the
+    row's status (succeeded only when every chunk was answered), its first failure and how many
+    of its chunks were answered."""
+    rules = {name: default_reduce(spec) for name, spec in _properties(schema).items()}
+    rules.update(reduce or {})
+    aggregates, joins, picks = [], [], []
+    for i, name in enumerate(rules):
+        f = ident(name)
+        if rules[name] == "majority":
+            # the value most chunks gave; a tie goes to the value an earlier chunk gave
+            joins.append(
+                f"LEFT JOIN (SELECT source_id, arg_max(v, n * 1000000 - first) AS v FROM "
+                f"(SELECT source_id, {f} AS v, count(*) AS n, min(chunk_index) AS first "
+                f"FROM c WHERE answered AND {f} IS NOT NULL GROUP BY 1, 2) GROUP BY 1) m{i} "
+                f"ON m{i}.source_id = g.source_id"
+            )
+            picks.append(f"m{i}.v AS {f}")
+        else:
+            aggregates.append(f"{_REDUCERS[rules[name]].format(f=f)} AS {f}")
+            picks.append(f"g.{f}")
+    agg_sql = "".join(f",\n           {a}" for a in aggregates)
+    pick_sql = "".join(f", {p}" for p in picks)
+    return f"""
+WITH c AS ({_unit_rows(job, schema, run_id)}),
+g AS (
+    SELECT source_id, any_value(run_id) AS run_id, max(n_chunks) AS n_chunks,
+           count(*) FILTER (WHERE answered) AS chunks_answered,
+           coalesce(arg_min(outcome, chunk_index) FILTER (WHERE NOT answered),
+                    arg_min(outcome, chunk_index)) AS outcome,
+           arg_min(failure_reason, chunk_index) FILTER (WHERE NOT answered) AS first_failure,
+           min(chunk_index) FILTER (WHERE NOT answered) AS first_failed_chunk{agg_sql}
+    FROM c GROUP BY source_id
+)
+SELECT g.source_id AS {ident(id_column)}, s.* EXCLUDE (run_id, source_id),
+       CASE WHEN g.chunks_answered = g.n_chunks THEN 'succeeded' ELSE 'failed' END AS status,
+       g.outcome{pick_sql},
+       CASE WHEN g.chunks_answered = g.n_chunks THEN NULL
+            WHEN g.n_chunks = 1 THEN g.first_failure
+            ELSE g.first_failure || ' (chunk ' || (g.first_failed_chunk + 1) || ' of '
+                 || g.n_chunks || '; ' || g.chunks_answered || ' answered)' END
            AS failure_reason,
-       u.run_id
-FROM chosen
-JOIN units u ON u.run_id = chosen.run_id AND u.kind = 'row'
-JOIN {ident(src_table)} s ON s.run_id = u.run_id AND s.source_id = u.source_id
-LEFT JOIN results r ON r.custom_id = u.custom_id
-ORDER BY u.source_id, u.chunk_index
+       g.chunks_answered, g.n_chunks, g.run_id
+FROM g JOIN {ident(src_table)} s ON s.run_id = g.run_id AND s.source_id = g.source_id
+{chr(10).join(joins)}
+ORDER BY g.source_id
 """
 
 
 def job_view_sql(
-    job: str, view: str, src_table: str, id_column: str, schema: dict[str, Any]
+    job: str,
+    view: str,
+    src_table: str,
+    id_column: str,
+    schema: dict[str, Any],
+    reduce: dict[str, str] | None = None,
 ) -> str:
-    """The job's view in the published file: its latest published run."""
+    """The job's views in the published file: one row per input row of its shown run, and
+    `<view>_chunks` with one row per chunk."""
+    rows = job_rows_sql(job, src_table, id_column, schema, reduce=reduce)
+    chunks = chunk_rows_sql(job, src_table, id_column, schema)
     return (
-        f"CREATE OR REPLACE VIEW {ident(view)} AS {job_rows_sql(job, src_table, id_column, schema)}"
+        f"CREATE OR REPLACE VIEW {ident(view)} AS {rows};\n"
+        f"CREATE OR REPLACE VIEW {ident(view + '_chunks')} AS {chunks}"
     )
 
 
@@ -153,7 +261,14 @@ class PublishingStore(RunsStore):
                 if not has_src or not has_src[0]:
                     continue
                 pub.execute(
-                    job_view_sql(job["job"], job["view"], src, job["id_column"], job["schema"])
+                    job_view_sql(
+                        job["job"],
+                        job["view"],
+                        src,
+                        job["id_column"],
+                        job["schema"],
+                        job["reduce"],
+                    )
                 )
             pub.execute("CHECKPOINT")
         finally:

@@ -20,7 +20,9 @@ def query_published(db: Path, sql: str, limit: int) -> tuple[list[str], list[tup
     statement without a result. UserError naming the file for a missing file or bad SQL."""
     if not db.is_file():
         raise UserError(f"{db}: no published file yet; run a job first (lowtide demo)")
-    con = duckdb.connect(str(db), read_only=True)
+    # read-only on the file, and no file access beyond it: `lowtide sql` cannot COPY … TO a
+    # path or read other files (use DuckDB itself, or `lowtide export`, for that)
+    con = duckdb.connect(str(db), read_only=True, config={"enable_external_access": False})
     try:
         rel = con.sql(sql)
         if rel is None:

@@ -13,6 +13,7 @@ import polars as pl
 
 from lowtide.store._sql import ident, json_path, literal
 from lowtide.store.publish import PublishingStore, job_rows_sql, source_table
+from lowtide.vocabulary import ANSWERED
 
 _COPY_FORMAT = {
     "parquet": "(FORMAT parquet)",
@@ -93,6 +94,32 @@ class ReportsStore(PublishingStore):
             {"run": run_id},
         ).row(0, named=True)
 
+    def answer_origins(self, run_id: str | None = None) -> dict[str, dict[str, dict[str, int]]]:
+        """Where runs' answers came from, by the engine that gave them (`results.engine`:
+        `emulator`, or `<family>:<model>`): run_id → {"cached_from": engine → requests the
+        cache answered (its `cache_hits`), "answered_by": engine → answers the run received}.
+        One run, or every run when `run_id` is None; a run without any has empty maps."""
+        rows = self._query(
+            """
+            SELECT u.run_id, 'cached_from' AS side, coalesce(r.engine, 'unknown') AS engine,
+                   count(DISTINCT u.custom_id) AS n
+            FROM units u JOIN results r USING (custom_id)
+            WHERE u.cache_hit AND ($run IS NULL OR u.run_id = $run)
+            GROUP BY ALL
+            UNION ALL
+            SELECT run_id, 'answered_by', coalesce(engine, 'unknown'), count(*)
+            FROM results
+            WHERE list_contains($answered, outcome) AND ($run IS NULL OR run_id = $run)
+            GROUP BY ALL
+            ORDER BY 1, 2, 4 DESC, 3
+            """,
+            {"run": run_id, "answered": list(ANSWERED)},
+        )
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        for run, side, engine, n in rows.iter_rows():
+            out.setdefault(run, {"cached_from": {}, "answered_by": {}})[side][engine] = int(n)
+        return out
+
     def run_summary(self, run_id: str) -> dict[str, Any]:
         """Everything a person or a script wants to know about a run, as plain values."""
         run = self.require_run(run_id)
@@ -107,6 +134,7 @@ class ReportsStore(PublishingStore):
             "eval_previous_by_field": dict(
                 self.previous_eval_scores(run["job"], run_id).iter_rows()
             ),
+            **self.answer_origins(run_id).get(run_id, {"cached_from": {}, "answered_by": {}}),
         }
 
     def status_records(self, run_id: str | None, fields: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -123,6 +151,7 @@ class ReportsStore(PublishingStore):
             "ORDER BY run_id, name",
             params,
         )
+        origins = self.answer_origins(run_id)
         records = []
         for r in runs.iter_rows(named=True):
             rec = {k: r.get(k) for k in fields}
@@ -134,6 +163,7 @@ class ReportsStore(PublishingStore):
                 for m in metrics.iter_rows(named=True)
                 if m["run_id"] == r["run_id"]
             }
+            rec.update(origins.get(r["run_id"], {"cached_from": {}, "answered_by": {}}))
             records.append(rec)
         return records
 
@@ -182,7 +212,12 @@ class ReportsStore(PublishingStore):
         run = self.require_run(run_id)
         view = self.job_view(run["job"])
         sql = job_rows_sql(
-            view["job"], source_table(view["view"]), view["id_column"], view["schema"], run_id
+            view["job"],
+            source_table(view["view"]),
+            view["id_column"],
+            view["schema"],
+            run_id,
+            view["reduce"],
         )
         target.parent.mkdir(parents=True, exist_ok=True)
         with self._connect() as con:

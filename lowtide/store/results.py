@@ -65,7 +65,8 @@ class ResultsStore(Database):
         with self._transaction() as con:
             con.execute(
                 """
-                UPDATE results SET outcome = $reasked, output = a.output, error = NULL
+                UPDATE results SET outcome = $reasked, output = a.output, error = NULL,
+                                   engine = a.engine
                 FROM requests q JOIN results a ON a.custom_id = q.custom_id
                 WHERE q.reask_of = results.custom_id AND list_contains($answered, a.outcome)
                   AND results.outcome = $parse_failed

@@ -33,12 +33,28 @@ def now() -> datetime:
 class RunsStore(Database):
     # -- jobs ------------------------------------------------------------------------------------
     def save_job(
-        self, job: str, view: str, id_column: str, schema: dict[str, Any], job_file: str
+        self,
+        job: str,
+        view: str,
+        id_column: str,
+        schema: dict[str, Any],
+        job_file: str,
+        reduce: dict[str, str] | None = None,
     ) -> None:
+        """What the job's views are built from: its id column, output schema and reduce rules."""
         with self._transaction() as con:
             con.execute(
-                "INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?, now())",
-                [job, view, id_column, orjson.dumps(schema).decode(), job_file],
+                "INSERT OR REPLACE INTO jobs BY NAME SELECT ? AS job, ? AS view_name, "
+                "? AS id_column, ? AS output_schema, ? AS job_file, now() AS updated_at, "
+                "? AS reduce",
+                [
+                    job,
+                    view,
+                    id_column,
+                    orjson.dumps(schema).decode(),
+                    job_file,
+                    orjson.dumps(reduce or {}).decode(),
+                ],
             )
 
     def job_views(self) -> list[dict[str, Any]]:
@@ -50,6 +66,7 @@ class RunsStore(Database):
                 "view": r["view_name"],
                 "id_column": r["id_column"],
                 "schema": orjson.loads(r["output_schema"]),
+                "reduce": orjson.loads(r["reduce"] or "{}"),
             }
             for r in jobs.iter_rows(named=True)
         ]
@@ -83,13 +100,17 @@ class RunsStore(Database):
             [run_id, run_id],
         )
 
-    def resumable_run(self, job: str, fingerprint: str, input_fingerprint: str) -> str | None:
-        """The newest unfinished run of this job with the same job content and input, if any."""
+    def resumable_run(
+        self, job: str, fingerprint: str, input_fingerprint: str, backend: str
+    ) -> str | None:
+        """The newest unfinished run of this job with the same job content and input on the
+        same backend, if any (another backend's run is never driven, nor its answers published,
+        by this one)."""
         return self._scalar(
             "SELECT run_id FROM runs WHERE job = ? AND job_fingerprint = ? "
-            "AND input_fingerprint IS NOT DISTINCT FROM ? "
+            "AND input_fingerprint IS NOT DISTINCT FROM ? AND backend = ? "
             "AND list_contains(?, status) ORDER BY started_at DESC LIMIT 1",
-            [job, fingerprint, input_fingerprint, sql_list(RESUMABLE_RUN)],
+            [job, fingerprint, input_fingerprint, backend, sql_list(RESUMABLE_RUN)],
         )
 
     def in_flight_runs(self) -> list[dict[str, Any]]:
@@ -219,7 +240,7 @@ class RunsStore(Database):
         finished = now()
         with self._transaction() as con:
             con.execute(
-                "UPDATE runs SET status = ?, gate_note = ?, finished_at = ?, "
+                "UPDATE runs SET status = ?, gate_note = ?, finished_at = ?, error = NULL, "
                 "published_at = CASE WHEN ? THEN ? ELSE published_at END, "
                 "succeeded = ?, failed = ?, eval_accuracy = ?, cost_usd = ?, "
                 "realtime_cost_usd = ?, naive_cost_usd = ?, "
@@ -243,6 +264,11 @@ class RunsStore(Database):
                 ],
             )
         return status
+
+    def unpublish_after_failure(self, run_id: str, error: str) -> None:
+        """The published file could not be written: the run's answers are kept, but it is not
+        the one its view shows (the old file is untouched); the error says how to retry."""
+        self._update("runs", "run_id", run_id, published_at=None, error=error[:2000])
 
     def publish_run(self, run_id: str) -> RunStatus:
         """A finished run becomes the one its job view shows (held → completed)."""

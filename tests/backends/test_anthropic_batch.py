@@ -27,6 +27,7 @@ from lowtide.backends.base import (
     TerminalBackendError,
     TransientBackendError,
 )
+from lowtide.backends.wire import EMULATOR_FINGERPRINT
 from lowtide.emulator import Emulator, EmulatorConfig
 from lowtide.jobspec import JobSpec, load_job
 from tasks.assemble import openai_lines
@@ -355,22 +356,33 @@ RESULT_ROWS = {
     "text answer, tokens include cache writes and reads": (
         _succeeded(TEXT, "end_turn", cache_creation_input_tokens=100, cache_read_input_tokens=2000),
         "output_config",
-        ("answered", '{"label": "a"}', "stop", None, 2109, 2000, 2),
+        ("answered", '{"label": "a"}', "stop", None, 2109, 2000, 2, False),
     ),
     "truncated": (
         _succeeded(TEXT, "max_tokens"),
         "output_config",
-        ("answered", '{"label": "a"}', "length", None, 9, 0, 2),
+        ("answered", '{"label": "a"}', "length", None, 9, 0, 2, False),
+    ),
+    "signed by lowtide's emulator (an extra field the SDK keeps)": (
+        {
+            **_succeeded(TEXT, "end_turn"),
+            "message": {
+                **_succeeded(TEXT, "end_turn")["message"],
+                "system_fingerprint": EMULATOR_FINGERPRINT,
+            },
+        },
+        "output_config",
+        ("answered", '{"label": "a"}', "stop", None, 9, 0, 2, True),
     ),
     "forced tool input as JSON": (
         _succeeded(TOOL, "tool_use"),
         "tool",
-        ("answered", '{"label":"b"}', "stop", None, 9, 0, 2),
+        ("answered", '{"label":"b"}', "stop", None, 9, 0, 2, False),
     ),
     "refusal": (
         _succeeded([{"type": "text", "text": "no"}], "refusal"),
         "output_config",
-        ("answered", "no", "content_filter", "refusal: no", 9, 0, 2),
+        ("answered", "no", "content_filter", "refusal: no", 9, 0, 2, False),
     ),
     "errored": (
         {
@@ -387,6 +399,7 @@ RESULT_ROWS = {
             None,
             None,
             "invalid_request_error: max_tokens: too big",
+            None,
             None,
             None,
             None,
@@ -438,6 +451,7 @@ def test_whole_batch_every_id_once_valid_and_cached(make_emu: Any, job: JobSpec)
     frame = backend.results(state)
     assert sorted(frame["custom_id"]) == sorted(ids_of(lines))  # each exactly once
     assert set(frame["status"]) == {"answered"}
+    assert frame["emulated"].all()  # the emulator signs its answers; the SDK keeps the mark
     assert_valid_answers(frame, job.output_schema)
 
     # Prompt caching: the first request writes the cached system prompt, the later ones read

@@ -15,7 +15,12 @@ from openai.types.chat import ChatCompletion
 from lowtide.backends import anthropic_batch, openai_batch, realtime
 from lowtide.backends.base import RESULT_SCHEMA, TransientBackendError
 from lowtide.backends.vllm_pool.endpoint import answered_row
-from lowtide.backends.wire import completion_row, is_transient_status, retry_after_s
+from lowtide.backends.wire import (
+    EMULATOR_FINGERPRINT,
+    completion_row,
+    is_transient_status,
+    retry_after_s,
+)
 
 # -- transient statuses ----------------------------------------------------------------------------
 
@@ -143,32 +148,44 @@ NULL_CACHED = {**NO_DETAILS, "prompt_tokens_details": {"cached_tokens": None}}
 
 # (completion, expected row after custom_id): every shape a server sends for a 200
 ANSWERS = [
-    (completion(usage=USAGE), ("answered", '{"label": "lost_card"}', "stop", None, 120, 64, 9)),
+    (
+        completion(usage=USAGE),
+        ("answered", '{"label": "lost_card"}', "stop", None, 120, 64, 9, False),
+    ),
     (
         completion(content='{"label": "lost', finish_reason="length", usage=USAGE),
-        ("answered", '{"label": "lost', "length", None, 120, 64, 9),
+        ("answered", '{"label": "lost', "length", None, 120, 64, 9, False),
     ),
     (
         completion(content=None, refusal="I can't help with that.", usage=USAGE),
-        ("answered", None, "stop", "refusal: I can't help with that.", 120, 64, 9),
+        ("answered", None, "stop", "refusal: I can't help with that.", 120, 64, 9, False),
     ),
     # cached tokens not reported (vLLM without --enable-prompt-tokens-details): unknown
     (
         completion(usage=NO_DETAILS),
-        ("answered", '{"label": "lost_card"}', "stop", None, 120, None, 9),
+        ("answered", '{"label": "lost_card"}', "stop", None, 120, None, 9, False),
     ),
     (
         completion(usage=NULL_DETAILS),
-        ("answered", '{"label": "lost_card"}', "stop", None, 120, None, 9),
+        ("answered", '{"label": "lost_card"}', "stop", None, 120, None, 9, False),
     ),
     (
         completion(usage=NULL_CACHED),
-        ("answered", '{"label": "lost_card"}', "stop", None, 120, None, 9),
+        ("answered", '{"label": "lost_card"}', "stop", None, 120, None, 9, False),
     ),
     # no usage at all
     (
         completion(usage=None),
-        ("answered", '{"label": "lost_card"}', "stop", None, None, None, None),
+        ("answered", '{"label": "lost_card"}', "stop", None, None, None, None, False),
+    ),
+    # lowtide's emulator signs its answers: recorded as the emulator's, whoever asked
+    (
+        {**completion(usage=USAGE), "system_fingerprint": EMULATOR_FINGERPRINT},
+        ("answered", '{"label": "lost_card"}', "stop", None, 120, 64, 9, True),
+    ),
+    (
+        {**completion(usage=USAGE), "system_fingerprint": "fp_44709d6fcb"},
+        ("answered", '{"label": "lost_card"}', "stop", None, 120, 64, 9, False),
     ),
 ]
 
@@ -183,19 +200,22 @@ def test_completion_row(body, expected):
 @pytest.mark.parametrize(
     ("body", "expected"),
     [
-        ({"choices": []}, ("answered", None, None, None, None, None, None)),
-        ({}, ("answered", None, None, None, None, None, None)),
+        ({"choices": []}, ("answered", None, None, None, None, None, None, False)),
+        ({}, ("answered", None, None, None, None, None, None, False)),
         (
             {"choices": [{"finish_reason": "stop"}]},
-            ("answered", None, "stop", None, None, None, None),
+            ("answered", None, "stop", None, None, None, None, False),
         ),
-        ({"choices": ["oops"], "usage": "none"}, ("answered", None, None, None, None, None, None)),
+        (
+            {"choices": ["oops"], "usage": "none"},
+            ("answered", None, None, None, None, None, None, False),
+        ),
         (
             {
                 "choices": [{"message": {"content": "hi", "refusal": ""}}],
                 "usage": {"prompt_tokens": 3},
             },
-            ("answered", "hi", None, None, 3, None, None),
+            ("answered", "hi", None, None, 3, None, None, False),
         ),
     ],
 )

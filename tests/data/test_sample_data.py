@@ -205,6 +205,29 @@ def test_price_table_parses_with_positive_prices(job):
     assert (model["backend"], model["name"]) in set(prices.select("provider", "model").iter_rows())
 
 
+def test_emulator_prices_are_its_own_and_mirror_the_model_they_stand_for():
+    """A job run on the emulator is priced as the real model it stands in for (the emulator's
+    claude-haiku-4-5 row once carried gpt-4o-mini's prices), in rows labelled as the emulator's."""
+    from lowtide.pricing import load_price
+
+    prices = pl.read_csv(DATA / "prices.csv", schema_overrides={"effective_date": pl.String})
+    emulated = prices.filter(pl.col("provider") == "emulator")
+    real = prices.filter(pl.col("provider") != "emulator")
+    numbers = ["input_usd_per_mtok", "cached_input_usd_per_mtok", "output_usd_per_mtok"]
+    joined = emulated.join(real, on=["model", "effective_date"], suffix="_real")
+    assert joined.height == emulated.height == real.height  # one per real model, no orphan
+    for column in [*numbers, "batch_discount"]:
+        assert (joined[column] == joined[f"{column}_real"]).all(), column
+    assert all(source.startswith("lowtide emulator prices") for source in emulated["source"])
+    for provider, model in real.select("provider", "model").iter_rows():
+        on_emulator = load_price(DATA / "prices.csv", "emulator", model)
+        assert on_emulator.provider == "emulator"
+        assert (on_emulator.input, on_emulator.output) == (
+            load_price(DATA / "prices.csv", provider, model).input,
+            load_price(DATA / "prices.csv", provider, model).output,
+        )
+
+
 def test_job_file_fits_the_data(gen, job, schema, messages):
     folder = DATA / "jobs"
     for path in (

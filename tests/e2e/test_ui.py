@@ -2,15 +2,13 @@
 real Prefect server and worker, then headless Chromium opens the UI, finds the flow run, opens
 its Artifacts tab and the run table, and reads the run's row count and cost there.
 
-Screenshots are taken on every run (into the test's temp folder). With UPDATE_SCREENSHOTS=1 they
-are written to docs/ instead, which is how docs/ui-*.png (shown by docs/operations.md and the
-README) are made: `UPDATE_SCREENSHOTS=1 .venv/bin/python -m pytest tests/e2e/test_ui.py`.
+Screenshots are taken on every run, into the test's temp folder. The ones in docs/ are of the
+product, not of this test: `docs/screenshots.py` makes them from `make serve` on the sample job.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +18,6 @@ import pytest
 
 from lowtide.emulator import Emulator, EmulatorConfig
 from lowtide.store import Store
-from tests.conftest import REPO
 from tests.e2e.conftest import (
     NIGHTLY,
     Deployed,
@@ -42,14 +39,12 @@ CHROMIUM_FLAGS = [
     "--disable-sync",
     "--no-first-run",
 ]
-# Read at import: the autouse env fixture does not touch it, but be explicit about when.
-UPDATE_SCREENSHOTS = os.environ.get("UPDATE_SCREENSHOTS") == "1"
 
 
 @pytest.fixture
 def shots(tmp_path: Path) -> Path:
-    """Where screenshots go: docs/ when refreshing them, else the test's temp folder."""
-    return REPO / "docs" if UPDATE_SCREENSHOTS else tmp_path
+    """Where screenshots go: the test's temp folder."""
+    return tmp_path
 
 
 @pytest.fixture

@@ -65,3 +65,45 @@ def test_crash_then_resume_pays_once(point: str, tmp_path: Path) -> None:
         batches = store.run_batches(summary["run_id"])
         assert batches["provider_batch_id"].n_unique() == batches.height
         assert len(emu.state.batches) == batches.height  # no orphan batch at the provider
+
+
+def test_an_input_file_gone_before_the_create_is_uploaded_again(tmp_path: Path) -> None:
+    """Crash after the upload; the provider then loses the file (deleted, past retention, or a
+    restarted emulator). The resumed create is refused, nothing was created or paid, so lowtide
+    uploads again and creates: every row answered, every request executed once."""
+    from prefect.settings import PREFECT_API_URL
+
+    job = write_job(tmp_path, rows=40, eval_rows=5)
+    config = EmulatorConfig(time_scale=30.0, error_rate=0.0, seed=1, validating_s=5.0)
+    with Emulator(config) as emu:
+        env = {
+            **os.environ,
+            "LOWTIDE_EMULATOR_URL": emu.base_url,
+            "LOWTIDE_CRASH_AT": "after_upload",
+            "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+        }
+        crashed = subprocess.run(
+            [sys.executable, "-m", "lowtide.cli", "run", str(job)],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert crashed.returncode == -signal.SIGKILL, crashed.stdout + crashed.stderr
+        store = Store(os.environ["LOWTIDE_STATE"])
+        uploaded = store.run_batches(store.list_runs()["run_id"][0])["input_file_id"].to_list()
+        import openai
+
+        client = openai.OpenAI(base_url=f"{emu.base_url}/v1", api_key="sk-test")
+        for file_id in uploaded:
+            if file_id:
+                client.files.delete(file_id)
+
+        summary = enrich(job_file=str(job), emulator_url=emu.base_url)
+        assert summary["status"] == "completed"
+        assert summary["succeeded"] == 40 and summary["failed"] == 0
+        counts = emu.ledger.count_by_custom_id()
+        assert set(counts.values()) == {1}
+        after = store.run_batches(summary["run_id"])["input_file_id"].to_list()
+        assert not set(after) & set(uploaded)  # sent again under new file ids

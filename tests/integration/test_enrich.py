@@ -53,8 +53,18 @@ def test_sample_job_end_to_end_then_from_cache(emulator, clean_env: Path) -> Non
 
     db = duckdb.connect(os.environ["LOWTIDE_DB"], read_only=True)
     view = pl.from_arrow(db.sql("SELECT * FROM support_intents").to_arrow_table())
+    types = dict(
+        db.execute(
+            "SELECT column_name, data_type FROM duckdb_columns() "
+            "WHERE table_name = 'support_intents'"
+        ).fetchall()
+    )
     db.close()
-    assert view["message_id"].n_unique() == 3000
+    assert types["received_at"] == "DATE"  # the CSV's ISO dates, typed
+    assert types["urgency"] == "ENUM('low', 'normal', 'urgent')"  # the schema's enum, in order
+    assert view.height == view["message_id"].n_unique() == 3000  # one row per input row
+    assert (view["status"] == "succeeded").sum() == first["succeeded"]
+    assert view["n_chunks"].max() > 1  # long messages were asked in chunks, and folded back
     assert {"body", "channel", "customer_tier", "intent", "urgency", "summary", "status"} <= set(
         view.columns
     )

@@ -157,7 +157,7 @@ def test_no_wait_then_collect_gives_the_same_tables_as_waiting(tmp_path: Path, m
         try:
             return pl.from_arrow(
                 con.sql(
-                    "SELECT message_id, chunk_index, status, intent, urgency, summary FROM support_intents "
+                    "SELECT message_id, n_chunks, status, intent, urgency, summary FROM support_intents "
                     "ORDER BY 1, 2"
                 ).to_arrow_table()
             )
@@ -231,6 +231,47 @@ def test_cancel_keeps_finished_work_and_fails_the_rest_with_a_reason(tmp_path: P
         )
         assert reasons["reason"].to_list() == ["cancelled"]
         assert len(_paid_once(emu)) >= done["succeeded"]
+
+
+def test_cancel_while_the_provider_validates_ends_every_row_cancelled(tmp_path: Path) -> None:
+    """Nothing ran, so nothing was lost: every row is `cancelled` with that reason, not
+    `missing`, and the emulator executed no request."""
+    job = write_job(tmp_path, rows=20, eval_rows=5)
+    config = EmulatorConfig(time_scale=0.0, error_rate=0.0, validating_s=3600, cancel_drain_s=1)
+    with Emulator(config) as emu:
+        s = enrich(job_file=str(job), emulator_url=emu.base_url, wait=False)
+        from typer.testing import CliRunner
+
+        from lowtide.cli import app
+
+        store = _store()
+        os.environ["LOWTIDE_EMULATOR_URL"] = emu.base_url
+        try:
+            result = CliRunner().invoke(app, ["cancel", s["run_id"]])
+        finally:
+            del os.environ["LOWTIDE_EMULATOR_URL"]
+        assert result.exit_code == 0, result.output
+        import urllib.request
+
+        urllib.request.urlopen(
+            urllib.request.Request(
+                f"{emu.base_url}/_emulator/clock/advance?seconds=5", method="POST"
+            )
+        )
+        done = collect(emulator_url=emu.base_url)[0]
+        assert done["status"] == "cancelled"
+        _invariant(done, 20)
+        assert done["failed"] == 20
+        failures = query(
+            store,
+            "SELECT reason, detail, count(*) AS n FROM failures WHERE run_id = ? AND kind = 'row' "
+            "GROUP BY ALL",
+            [s["run_id"]],
+        )
+        assert failures.rows() == [
+            ("cancelled", "the batch was cancelled before this request ran", 20)
+        ]
+        assert emu.ledger.count_by_custom_id() == {}
 
 
 def test_malformed_answers_are_repaired_or_reasked(tmp_path: Path) -> None:
@@ -464,3 +505,37 @@ def test_a_changed_input_starts_a_new_run_and_a_driven_run_is_not_taken(tmp_path
         second = enrich(job_file=str(job), emulator_url=emu.base_url, wait=False)
         assert second["run_id"] != first["run_id"]  # today's input is not last night's run
         assert second["rows"] == 11
+
+
+def test_a_publish_that_fails_leaves_the_old_file_and_the_run_unpublished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The published file cannot be written (here its folder is a file; a full disk is the
+    same path through the code): the old file stays as it was, the run keeps its answers but is
+    not shown as published, its error says how to retry, and `lowtide publish` then works."""
+    from flows.operations import publish_run
+    from lowtide.errors import PublishError
+    from lowtide.settings import Settings
+
+    job = write_job(tmp_path, rows=12, eval_rows=4)
+    with Emulator(EmulatorConfig(time_scale=600.0, error_rate=0.0)) as emu:
+        first = enrich(job_file=str(job), emulator_url=emu.base_url)
+        good = Path(os.environ["LOWTIDE_DB"])
+        before = good.read_bytes()
+        (tmp_path / "not-a-folder").write_text("x")
+        monkeypatch.setenv("LOWTIDE_DB", str(tmp_path / "not-a-folder" / "lowtide.duckdb"))
+        job.write_text(job.read_text().replace("temperature = 0.0", "temperature = 0.1"))
+        with pytest.raises(PublishError, match=r"publishing .*not-a-folder/lowtide\.duckdb failed"):
+            enrich(job_file=str(job), emulator_url=emu.base_url)
+    store = _store()
+    second = store.list_runs().row(0, named=True)
+    assert second["run_id"] != first["run_id"]
+    assert second["status"] == "completed" and second["published_at"] is None
+    assert f"lowtide publish {second['run_id']}" in second["error"]
+    assert good.read_bytes() == before  # the analysts' file was not touched
+    publish_run(Settings(db=good), second["run_id"])
+    con = duckdb.connect(str(good), read_only=True)
+    shown = con.execute("SELECT DISTINCT run_id FROM support_intents").fetchall()
+    con.close()
+    assert shown == [(second["run_id"],)]
+    assert store.get_run(second["run_id"])["published_at"] is not None

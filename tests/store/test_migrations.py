@@ -104,3 +104,32 @@ def test_one_process_drives_a_run_and_a_dead_holder_frees_it(tmp_path: Path) -> 
     assert store.claim_run("r", f"{here}:{gone}:dead", 60) is None  # taken by a process...
     assert store.claim_run("r", f"{here}:{os.getpid()}:b", 60) is None  # ...that is gone: free
     assert store.claim_run("r", "elsewhere:1:x", 60) == f"{here}:{os.getpid()}:b"
+
+
+def test_results_from_before_engines_are_credited_to_their_runs_backend(tmp_path: Path) -> None:
+    """The step that adds `results.engine` fills it for old answers from the run that received
+    them: an emulator run's answers are the emulator's, a real backend's are `<backend>:<model>`."""
+    step = next(n for n, text, _ in migrations.MIGRATIONS if "which engine gave it" in text)
+    path = tmp_path / "s.duckdb"
+    con = duckdb.connect(str(path))
+    migrations.current_version(con)
+    for number, description, sql in migrations.MIGRATIONS:
+        if number < step:
+            con.execute(sql)
+            con.execute("INSERT INTO schema_version VALUES (?, ?, now())", [number, description])
+    for run_id, backend, model in (("a", "emulator", "gpt-4o-mini"), ("b", "openai", "gpt-4o")):
+        con.execute(
+            "INSERT INTO runs (run_id, job, job_fingerprint, backend, model, status, started_at) "
+            "VALUES (?, 'j', 'f', ?, ?, 'completed', now())",
+            [run_id, backend, model],
+        )
+        con.execute(
+            "INSERT INTO results (custom_id, run_id, outcome, attempts, received_at) "
+            "VALUES (?, ?, 'ok', 1, now())",
+            [f"lt1_{run_id}", run_id],
+        )
+    con.close()
+    store = Store(path)
+    engines = dict(query(store, "SELECT run_id, engine FROM results ORDER BY 1").iter_rows())
+    assert engines == {"a": "emulator", "b": "openai:gpt-4o"}
+    assert scalar(store, "SELECT max(version) FROM schema_version") == migrations.LATEST

@@ -6,7 +6,10 @@ import polars as pl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tasks.dedupe import request_keys, unique_requests
+from lowtide.backends import EMULATOR_ENGINE, backend_entry
+from lowtide.jobspec import load_job
+from tasks.dedupe import key_units, request_keys, unique_requests
+from tests.conftest import SAMPLE_JOB
 
 TEMPLATE = "Channel: {channel}\n\n{text}"
 CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -50,7 +53,32 @@ def test_template_columns_and_prompt_are_part_of_the_key() -> None:
 
 def test_custom_ids_fit_both_providers_and_are_versioned() -> None:
     ids = request_keys(_units(["x", "y"]), TEMPLATE, "fp")["custom_id"].to_list()
-    assert all(CUSTOM_ID.match(i) and i.startswith("lt1_") for i in ids)
+    assert all(CUSTOM_ID.match(i) and i.startswith("lt2_") for i in ids)
+
+
+def _keys(backend: str, model: str | None = None) -> list[str]:
+    job = load_job(SAMPLE_JOB, backend)
+    if model is not None:
+        job.model.name = model
+    return key_units(job, _units(["refund please", "where is my parcel"]), "run-1")[
+        "custom_id"
+    ].to_list()
+
+
+def test_answers_are_shared_only_within_one_engine_family_and_model() -> None:
+    """The emulator's invented answers never become a real backend's cache hits; real engines
+    share answers only when they are the same provider family running the same model id."""
+    openai = _keys("openai")
+    assert _keys("openai") == openai  # a second run on the same engine: the same keys
+    assert load_job(SAMPLE_JOB, "emulator").model.name == load_job(SAMPLE_JOB, "openai").model.name
+    emulated = _keys("emulator")
+    assert not set(emulated) & set(openai)  # same model id, but the emulator's answers
+    assert not set(_keys("anthropic", "gpt-4o-mini")) & set(openai)
+    assert not set(_keys("vllm", "gpt-4o-mini")) & set(openai)  # a pool is another family
+    assert not set(_keys("openai", "gpt-4o")) & set(openai)
+    assert backend_entry("openai").answer_family("gpt-4o-mini") == "openai:gpt-4o-mini"
+    assert backend_entry("vllm").answer_family("m") == "vllm:m"
+    assert backend_entry("emulator").answer_family("gpt-4o-mini") == EMULATOR_ENGINE
 
 
 TEXTS = st.lists(

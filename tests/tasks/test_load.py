@@ -71,3 +71,54 @@ def test_unreadable_and_missing_files(tmp_path: Path) -> None:
     sheet.write_text("x")
     with pytest.raises(InputError, match="unsupported input type '.xlsx'"):
         read_table(str(sheet))
+
+
+def test_ids_are_text_as_written(tmp_path: Path) -> None:
+    path = tmp_path / "in.csv"
+    path.write_text("id,body\n00001,a\n007,b\n7,c\n")
+    out = normalise_input(
+        read_table(str(path), text_columns=("id", "body")),
+        where=str(path),
+        id_column="id",
+        text_column="body",
+        columns=[],
+    )
+    assert out["source_id"].to_list() == ["00001", "007", "7"]
+
+
+def test_iso_dates_in_a_csv_are_dates_and_columns_take_declared_types(tmp_path: Path) -> None:
+    path = tmp_path / "in.csv"
+    path.write_text(
+        "id,body,day,at,score,vip\n"
+        "1,a,2026-01-02,2026-01-02T10:11:12,3,yes\n"
+        "2,b,2026-01-03,2026-01-03 08:00:00,,no\n"
+    )
+    out = normalise_input(
+        read_table(str(path), text_columns=("id", "body")),
+        where=str(path),
+        id_column="id",
+        text_column="body",
+        columns=["day", "at", "score", "vip"],
+        column_types={"score": "number", "vip": "boolean", "day": "timestamp"},
+    )
+    assert out.schema["day"] == pl.Datetime("us")
+    assert out.schema["at"].base_type() == pl.Datetime
+    assert out["score"].to_list() == [3.0, None]
+    assert out["vip"].to_list() == [True, False]
+
+
+def test_a_value_that_does_not_fit_its_declared_type_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "in.csv"
+    path.write_text("id,body,score\n1,a,3\n2,b,lots\n")
+    with pytest.raises(
+        InputError,
+        match=r"in\.csv: column 'score' at data row 3 holds 'lots', which does not convert to ",
+    ):
+        normalise_input(
+            read_table(str(path), text_columns=("id", "body")),
+            where=str(path),
+            id_column="id",
+            text_column="body",
+            columns=["score"],
+            column_types={"score": "integer"},
+        )

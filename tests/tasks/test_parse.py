@@ -7,7 +7,7 @@ import polars as pl
 import pytest
 
 from lowtide.jobspec import load_job
-from tasks.parse import compile_schema, parse_one, parse_results
+from tasks.parse import answered_by, compile_schema, parse_one, parse_results
 from tests.conftest import SAMPLE_JOB
 
 MALFORMED = Path(__file__).resolve().parents[1] / "fixtures" / "malformed"
@@ -112,3 +112,9 @@ def test_provider_outcomes_pass_through(validator) -> None:
     out = parse_results(joined, load_job(SAMPLE_JOB).output_schema)
     assert out["outcome"].to_list() == ["ok", "provider_error", "missing"]
     assert out["error"].to_list() == [None, "HTTP 500 server_error: boom", "no result"]
+
+
+def test_an_answer_signed_by_the_emulator_is_the_emulators_whoever_asked() -> None:
+    parsed = pl.DataFrame({"emulated": [True, False, None]}, schema={"emulated": pl.Boolean})
+    engines = parsed.select(answered_by(parsed, "openai:gpt-4o-mini").alias("e"))["e"].to_list()
+    assert engines == ["emulator", "openai:gpt-4o-mini", "openai:gpt-4o-mini"]

@@ -141,7 +141,8 @@ class _PoolRun:
 
     def _error_row(self, i: int, message: str, ep: Endpoint) -> None:
         error = RequestStatus.PROVIDER_ERROR.value
-        self._record(i, (self.ids[i], error, None, None, message, None, None, None), False, ep)
+        row = (self.ids[i], error, None, None, message, None, None, None, False)
+        self._record(i, row, False, ep)
 
     def _flush(self) -> None:
         if not self.rows:
