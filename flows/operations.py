@@ -10,7 +10,7 @@ from typing import Any
 from prefect import flow
 
 from lowtide.backends import Connection, backend_entry
-from lowtide.errors import BackendError, JobFileError
+from lowtide.errors import BackendError, JobFileError, PublishError
 from lowtide.jobspec import load_job
 from lowtide.settings import Settings
 from lowtide.store import Store
@@ -56,8 +56,13 @@ def publish_run(settings: Settings, run_id: str) -> dict[str, Any]:
     """Make a finished run (e.g. one held by the eval gate) the one its job view shows and
     rebuild the published file. Returns {run_id, status, db}."""
     store = Store(settings.state, settings.lock_timeout_s)
+    before = store.require_run(run_id)["published_at"]
     status = store.publish_run(run_id)
-    path = store.publish(settings.db)
+    try:
+        path = store.publish(settings.db)
+    except PublishError as e:
+        store.unpublish_after_failure(run_id, f"{e}. Fix the cause, then rerun", before)
+        raise
     return {"run_id": run_id, "status": status.value, "db": str(path)}
 
 

@@ -22,10 +22,17 @@ class _OneLineErrors(TyperGroup):
     (`lowtide.errors`); anything else is a bug and keeps its traceback."""
 
     def invoke(self, ctx: Any) -> Any:  # typer's vendored click.Context
+        from typer._click.exceptions import UsageError
+
         try:
             return super().invoke(ctx)
         except LowtideError as e:
             raise typer.Exit(render.error(e)) from e
+        except UsageError as e:  # a subcommand's bad flag: one line too, not a box
+            path = e.ctx.command_path if e.ctx is not None else "lowtide"
+            hint = f" (see {path} --help)"
+            render.error_line(f"{e.format_message()}{hint}")
+            raise typer.Exit(2) from e
 
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__, cls=_OneLineErrors)
@@ -372,70 +379,6 @@ def estimate(
     render.estimate(quote)
 
 
-@app.command()
-def emulator(
-    port: Annotated[int, typer.Option(help="Port for the OpenAI/Anthropic emulator.")] = 8765,
-    faults: Annotated[str, typer.Option(help="Fault rules, see docs/emulator.md.")] = "",
-    time_scale: Annotated[float, typer.Option(help="Simulated seconds per real second.")] = 60.0,
-    engines: Annotated[int, typer.Option(help="Also start N emulated vLLM engines.")] = 0,
-    served_model_name: Annotated[
-        list[str] | None,
-        typer.Option(
-            metavar="NAME",
-            help="Model names the vLLM engines answer to, as vLLM's flag of that name (repeat it "
-            "or separate with commas; default: emulated-model and qwen2.5-7b-instruct, the "
-            "sample job's vLLM model). Other names get vLLM's 404.",
-        ),
-    ] = None,
-    seed: Annotated[int, typer.Option(help="Seed for shuffling, errors and broken answers.")] = 0,
-    malformed_rate: Annotated[float, typer.Option(help="Share of broken answers.")] = 0.0,
-    error_rate: Annotated[float, typer.Option(help="Share of per-request provider errors.")] = 0.01,
-    model_version: Annotated[
-        int, typer.Option(help="Model version (2 answers a few % differently).")
-    ] = 1,
-) -> None:
-    """Start the local emulator in the foreground and print the variables to export."""
-    from lowtide.emulator.main import serve
-
-    if port == 0:  # any free port
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-    from lowtide.emulator.vllm import DEFAULT_SERVED_MODEL_NAMES, served_model_names
-
-    if served_model_name and not engines:
-        raise _fail("--served-model-name names what the vLLM engines serve; add --engines N")
-    try:
-        names = served_model_names(served_model_name or DEFAULT_SERVED_MODEL_NAMES)
-    except ValueError as e:
-        raise _fail(f"--served-model-name: {e}") from e
-    pool = None
-    if engines:
-        from lowtide.emulator.vllm_pool import start_engines
-
-        pool = start_engines(engines, served_model_name=names)
-        console.print(
-            f"{engines} emulated vLLM engine(s) serving {escape(', '.join(names))}:",
-            soft_wrap=True,
-        )
-        console.print(f"  export LOWTIDE_VLLM_URLS={','.join(pool.urls)}", soft_wrap=True)
-    try:
-        serve(
-            port=port,
-            faults=faults,
-            time_scale=time_scale,
-            seed=seed,
-            malformed_rate=malformed_rate,
-            error_rate=error_rate,
-            model_version=model_version,
-        )
-    finally:
-        if pool is not None:
-            pool.close()
-
-
 def _register_plan() -> None:
     from lowtide.planner import plan_command
 
@@ -445,6 +388,17 @@ def _register_plan() -> None:
 
 
 _register_plan()
+
+
+def _register_emulator() -> None:
+    from lowtide.cli_emulator import emulator
+
+    app.command(
+        help="Start the local emulator in the foreground and print the variables to export."
+    )(emulator)
+
+
+_register_emulator()
 
 qa_app = typer.Typer(no_args_is_help=True, help="Human review of a run's QA sample.")
 app.add_typer(qa_app, name="qa")
@@ -487,18 +441,29 @@ def qa_import(
 
 
 def main() -> None:
-    """The console script. Lowtide errors are reported by the command group; a DuckDB error
-    reaching here is the state file refusing something unexpected."""
+    """The console script. Lowtide errors are reported by the command group; the published file
+    and export targets turn their DuckDB errors into lowtide errors, so one reaching here is the
+    state file refusing something unexpected."""
     import duckdb
 
     try:
         app()
     except duckdb.Error as e:
         render.error_line(
-            f"the state file refused an operation: {e}. If it persists, report it with the "
-            "output of `lowtide status --json`."
+            f"the state file ({_state_path()}) refused an operation: {e}. If it persists, "
+            "report it with the output of `lowtide status --json`."
         )
         raise SystemExit(2) from e
+
+
+def _state_path() -> str:
+    from lowtide.errors import LowtideError
+    from lowtide.settings import Settings
+
+    try:
+        return str(Settings().state)
+    except LowtideError:
+        return "LOWTIDE_STATE"
 
 
 if __name__ == "__main__":

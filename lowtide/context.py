@@ -99,7 +99,8 @@ def run_context(
     settings: Settings, job: JobSpec, emulator_url: str | None = None
 ) -> Iterator[RunContext]:
     """The context for running `job`; for the `emulator` backend without a URL (given, or
-    LOWTIDE_EMULATOR_URL) an emulator is started in-process for the duration."""
+    LOWTIDE_EMULATOR_URL) an emulator is started in-process for the duration, keeping its state
+    in `<work_dir>/emulator` so that the next run resumes with it."""
     entry = backend_entry(job.model.backend)
     price = price_for(job, entry)
     pool = _pool_config(job, settings) if entry.mode == "stream" else None
@@ -109,9 +110,11 @@ def run_context(
             from lowtide.emulator.config import EmulatorConfig
             from lowtide.emulator.server import Emulator
 
-            url = stack.enter_context(
-                Emulator(EmulatorConfig(time_scale=IN_PROCESS_TIME_SCALE))
-            ).base_url
+            # its files and batches live in the work dir, so a rerun after a crash finds them
+            config = EmulatorConfig(
+                time_scale=IN_PROCESS_TIME_SCALE, state_dir=str(settings.work_dir / "emulator")
+            )
+            url = stack.enter_context(Emulator(config)).base_url
         yield RunContext(
             job=job,
             backend=entry.name,

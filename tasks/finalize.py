@@ -8,13 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import duckdb
 import polars as pl
 from prefect import task
 
 from lowtide.context import RunContext
 from lowtide.errors import PublishError
-from lowtide.render import one_line
 from lowtide.runlog import stage_log
 from lowtide.vocabulary import ANSWERED
 
@@ -77,11 +75,8 @@ def publish_task(ctx: RunContext, run_id: str) -> str:
     run, so a held or cancelled run is in the tables but not in its view."""
     try:
         path = ctx.store.publish(ctx.db_path)
-    except (duckdb.Error, OSError) as e:
-        message = (
-            f"publishing {ctx.db_path} failed: {one_line(str(e))}; the previous file is "
-            f"unchanged. Fix the cause, then: lowtide publish {run_id}"
-        )
+    except PublishError as e:
+        message = f"{e}. Fix the cause, then: lowtide publish {run_id}"
         ctx.store.unpublish_after_failure(run_id, message)
         raise PublishError(message) from e
     stage_log("publish", "%s written for run %s", path, run_id)

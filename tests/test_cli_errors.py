@@ -136,3 +136,27 @@ def test_qa_import_refuses_two_verdicts_for_one_unit(deep: Path) -> None:
         f"error: {review}: rows [2, 4]: unit 'm1#0' of run 'r1' is reviewed more than once; "
         "keep one verdict per unit"
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["run"], "error: Missing argument 'job_file'. (see lowtide run --help)"),
+        (["status", "--bogus"], "error: No such option: --bogus (see lowtide status --help)"),
+        (["qa", "import"], "error: Missing argument 'file'. (see lowtide qa import --help)"),
+        (
+            ["emulator", "--port", "99999"],
+            "error: Invalid value for '--port': Input should be less than or equal to 65535 "
+            "(see lowtide emulator --help)",
+        ),
+        (
+            ["emulator", "--port", "0", "--faults", "often"],
+            "error: --faults: Unknown fault kind 'often' in 'often'; known: 429, 500, 502, 503, "
+            "529, drop, error_rate, malformed_rate, slow_finalizing",
+        ),
+    ],
+)
+def test_usage_errors_are_one_line_not_a_box(args: list[str], line: str) -> None:
+    result = runner.invoke(app, args, prog_name="lowtide")
+    assert result.exit_code == 2, result.output
+    assert _one_error_line(result.stderr) == line

@@ -127,7 +127,7 @@ def finish_reason(stop_reason: str | None) -> str | None:
 # --------------------------------------------------------------------------- errors
 
 
-def translate(exc: BaseException, operation: str) -> BackendError:
+def translate(exc: BaseException, operation: str, base_url: object = None) -> BackendError:
     """SDK (or transport) exception → transient or terminal, keeping the provider's message.
 
     Transient: rate limits, timeouts, dropped connections, 408/409/429, 5xx and 529 overloaded.
@@ -141,7 +141,9 @@ def translate(exc: BaseException, operation: str) -> BackendError:
         | httpx2.TransportError,
     ) or (isinstance(exc, anthropic.APIStatusError) and is_transient_status(exc.status_code))
     cls = TransientBackendError if transient else TerminalBackendError
-    return cls(f"{operation}: {exc}", backend="anthropic", operation=operation)
+    unreachable = isinstance(exc, anthropic.APIConnectionError | httpx2.TransportError)
+    where = f" (cannot reach {base_url})" if unreachable and base_url else ""
+    return cls(f"{operation}: {exc}{where}", backend="anthropic", operation=operation)
 
 
 # --------------------------------------------------------------------------- request lines
@@ -366,7 +368,7 @@ class AnthropicBatchBackend:
         try:
             return fn()
         except anthropic.AnthropicError as e:
-            raise translate(e, operation) from e
+            raise translate(e, operation, self.client.base_url) from e
 
     def upload(self, batch_id: str, lines: list[str]) -> None:
         """No upload step: Anthropic takes the requests inline with create."""

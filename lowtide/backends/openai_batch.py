@@ -94,8 +94,9 @@ def map_status(provider_status: str) -> BatchStatus:
         ) from e
 
 
-def translate(exc: openai.OpenAIError, operation: str) -> Exception:
-    """SDK exception → transient or terminal, keeping the provider's message."""
+def translate(exc: openai.OpenAIError, operation: str, base_url: object = None) -> Exception:
+    """SDK exception → transient or terminal, keeping the provider's message (and, when the
+    server could not be reached at all, its address)."""
     transient = (
         openai.RateLimitError,
         openai.APIConnectionError,
@@ -105,7 +106,14 @@ def translate(exc: openai.OpenAIError, operation: str) -> Exception:
     if isinstance(exc, transient) or (
         isinstance(exc, openai.APIStatusError) and is_transient_status(exc.status_code)
     ):
-        return TransientBackendError(f"{operation}: {exc}", backend="openai", operation=operation)
+        where = (
+            f" (cannot reach {base_url})"
+            if isinstance(exc, openai.APIConnectionError) and base_url
+            else ""
+        )
+        return TransientBackendError(
+            f"{operation}: {exc}{where}", backend="openai", operation=operation
+        )
     if (
         operation == "create"
         and isinstance(exc, openai.BadRequestError | openai.NotFoundError)
@@ -231,7 +239,7 @@ class OpenAIBatchBackend:
         try:
             return fn()
         except openai.OpenAIError as e:
-            raise translate(e, operation) from e
+            raise translate(e, operation, self.client.base_url) from e
 
     def upload(self, batch_id: str, lines: list[str]) -> str:
         payload = ("\n".join(lines) + "\n").encode("utf-8")

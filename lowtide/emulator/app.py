@@ -3,12 +3,13 @@ error envelopes) and the admin routes tests use from another process."""
 
 from __future__ import annotations
 
-import itertools
+import logging
 import secrets
 import threading
 from collections import Counter
 from typing import Any
 
+import anyio.to_thread
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,7 +38,10 @@ from lowtide.emulator.faults import (
     provider_for_path,
 )
 from lowtide.emulator.ledger import BillingLedger
+from lowtide.emulator.persist import Snapshot, StateDir, StateDirInUse, capture, ledger_entries
 from lowtide.emulator.routes_common import json_response
+
+log = logging.getLogger("lowtide.emulator")
 
 
 class EmulatorState:
@@ -45,6 +49,10 @@ class EmulatorState:
 
     Batch progress is never pushed by a background thread: `tick()` derives it from the
     clock, and every provider call ticks first, so reads always see current state.
+
+    With `config.state_dir`, the state is loaded from that folder at construction (the clock
+    resumes at the snapshot's time) and `persist()` writes it back after each change a client
+    caused; see `lowtide.emulator.persist`.
     """
 
     def __init__(self, config: EmulatorConfig) -> None:
@@ -59,13 +67,20 @@ class EmulatorState:
         # Prompt-cache entries: key -> simulated time of last use.
         self.prompt_cache: dict[str, float] = {}
         self._attempts: Counter[tuple[str, str]] = Counter()
-        self._seq = itertools.count()
+        self._next_seq = 0
+        self._state_dir: StateDir | None = None
+        self._dirty = False
+        if config.state_dir:
+            self.open_state_dir(load=True)
 
     def new_id(self, prefix: str, nbytes: int = 12) -> str:
         return new_id(prefix, nbytes)
 
     def next_seq(self) -> int:
-        return next(self._seq)
+        with self.lock:
+            seq = self._next_seq
+            self._next_seq += 1
+            return seq
 
     def next_attempt(self, provider: str, custom_id: str) -> int:
         """How many times this custom_id has run before here (0 the first time).
@@ -81,15 +96,97 @@ class EmulatorState:
         """Bring every batch up to the clock's current time; returns that time."""
         with self.lock:
             now = self.clock.now()
+            before = self._unfinished()
             openai_batch_lifecycle.advance_all(self, now)
             anthropic_batches.advance_all(self, now)
+            if self._state_dir is not None and self._unfinished() != before:
+                self._dirty = True
             return now
 
+    def _unfinished(self) -> list[str]:
+        """The status of every unfinished batch: it changes exactly when a batch moves on."""
+        return [
+            b.status
+            for b in self.batches.values()
+            if b.status not in openai_batch_lifecycle.TERMINAL
+        ] + [b.status for b in self.message_batches.values() if b.status != "ended"]
+
     def patch_config(self, patch: dict[str, Any]) -> None:
+        if "state_dir" in patch:
+            raise ValueError("state_dir is fixed when the emulator starts")
         with self.lock:
             self.config.update(patch)
             if "time_scale" in patch:
                 self.clock.set_time_scale(self.config.time_scale)
+
+    # ------------------------------------------------------------------ persistence
+
+    def open_state_dir(self, *, load: bool) -> None:
+        """Lock `config.state_dir` and, with `load`, take over the snapshot in it. When another
+        live emulator holds the folder, or it cannot be created, log a warning and keep this
+        state in memory only (as without a folder)."""
+        assert self.config.state_dir
+        try:
+            state_dir = StateDir(self.config.state_dir)
+        except (StateDirInUse, OSError) as exc:
+            log.warning("%s; this emulator keeps its state in memory only", exc)
+            return
+        with self.lock:
+            self._state_dir = state_dir
+            snap = state_dir.load() if load else None
+            if snap is not None:
+                self._restore(snap)
+            else:
+                self._dirty = True
+                self.persist()
+
+    @property
+    def dirty(self) -> bool:
+        """Whether the state changed since its last snapshot (never without a state folder)."""
+        return self._dirty
+
+    def mark_changed(self) -> None:
+        """Something a client did changed the state: the next `persist()` writes it."""
+        self._dirty = self._state_dir is not None
+
+    def persist(self) -> None:
+        """Write the snapshot if the state changed since the last one (no-op without a state
+        folder). Holds the lock for the write, so the snapshot is one consistent moment."""
+        with self.lock:
+            if self._state_dir is None or not self._dirty:
+                return
+            snap, blobs = capture(
+                now=self.clock.now(),
+                next_seq=self._next_seq,
+                files=self.files,
+                batches=self.batches,
+                message_batches=self.message_batches,
+                attempts=self._attempts,
+                ledger=self.ledger._snapshot(),
+                prompt_cache=self.prompt_cache,
+            )
+            self._state_dir.save(snap, blobs)
+            self._dirty = False
+
+    def close(self) -> None:
+        """Write the last snapshot and release the folder (the state stays usable in memory)."""
+        with self.lock:
+            self.persist()
+            if self._state_dir is not None:
+                self._state_dir.close()
+                self._state_dir = None
+
+    def _restore(self, snap: Snapshot) -> None:
+        self.clock = Clock(self.config.time_scale, start=snap.now)
+        self.files = snap.files
+        self.batches = snap.batches
+        self.message_batches = snap.message_batches
+        self.prompt_cache = snap.prompt_cache
+        self._attempts = Counter(snap.attempts)
+        self._next_seq = snap.next_seq
+        self.ledger.reset()
+        for entry in ledger_entries(snap):
+            self.ledger.record(**entry)
 
 
 def new_id(prefix: str, nbytes: int = 12) -> str:
@@ -106,6 +203,8 @@ def error_response(path: str, err: ApiError, request_id: str) -> Response:
 
 class ProviderEdge:
     """ASGI middleware for provider routes: request id header, auth check, injected faults.
+    On every route (admin ones too) it persists the state before a response goes out, so a
+    client never holds an id the emulator could forget.
 
     Pure ASGI (not BaseHTTPMiddleware) so that a `drop` fault can cut a response body halfway.
     """
@@ -118,6 +217,7 @@ class ProviderEdge:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        send = _persisting(self.state, scope["method"], send)
         path: str = scope["path"]
         provider = provider_for_path(path)
         if provider is None:
@@ -145,6 +245,22 @@ class ProviderEdge:
         else:
             err = fault_error(rule, self.state.config.retry_after_s)
             await error_response(path, err, request_id)(scope, receive, send_with_id)
+
+
+def _persisting(state: EmulatorState, method: str, send: Send) -> Send:
+    """A `send` that writes the state's snapshot (when it has a folder and something changed)
+    before the response starts. A POST or DELETE answered below 400 changed it; any call may
+    have ticked a batch into a new status."""
+
+    async def wrapped(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            if method in ("POST", "DELETE") and message["status"] < 400:
+                state.mark_changed()
+            if state.dirty:
+                await anyio.to_thread.run_sync(state.persist)
+        await send(message)
+
+    return wrapped
 
 
 def _check_auth(provider: str, headers: dict[str, str]) -> ApiError | None:

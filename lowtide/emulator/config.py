@@ -76,6 +76,10 @@ class EmulatorConfig:
     archive_after_s: float = 29 * 86400.0
     file_retention_s: float = 30 * 86400.0
     faults: list[FaultRule] = field(default_factory=list)
+    # A folder the emulator keeps its files, batches, attempt counters, ledger and clock in,
+    # so a restarted process resumes like a provider would (lowtide.emulator.persist); None
+    # keeps everything in memory.
+    state_dir: str | None = None
 
     @classmethod
     def from_spec(cls, spec: str, **overrides: Any) -> EmulatorConfig:

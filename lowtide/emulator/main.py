@@ -16,11 +16,13 @@ def serve(
     error_rate: float = 0.01,
     malformed_rate: float = 0.0,
     model_version: int = 1,
+    state_dir: str | None = None,
 ) -> None:
     """Serve the OpenAI + Anthropic emulator on host:port until interrupted (Ctrl-C).
 
     Prints the base URLs and the environment variables that point the SDKs at it first.
-    `faults` uses the grammar in docs/emulator.md.
+    `faults` uses the grammar in docs/emulator.md. With `state_dir`, files, batches, the ledger
+    and the clock are kept in that folder and a restarted emulator resumes from them.
     """
     from lowtide.emulator.app import create_app
     from lowtide.emulator.server import NoDelayH11Protocol
@@ -31,13 +33,22 @@ def serve(
         error_rate=error_rate,
         malformed_rate=malformed_rate,
         model_version=model_version,
+        state_dir=state_dir,
     )
     config.faults = apply_fault_spec(config, faults)
     app = create_app(config)
     print(banner(host, port, config), flush=True)
-    uvicorn.run(
-        app, host=host, port=port, http=NoDelayH11Protocol, log_level="warning", access_log=False
-    )
+    try:
+        uvicorn.run(
+            app,
+            host=host,
+            port=port,
+            http=NoDelayH11Protocol,
+            log_level="warning",
+            access_log=False,
+        )
+    finally:
+        app.state.emulator.close()
 
 
 def banner(host: str, port: int, config: EmulatorConfig) -> str:
@@ -50,6 +61,8 @@ def banner(host: str, port: int, config: EmulatorConfig) -> str:
         f"  Anthropic: {base}",
         f"  Admin:     {base}/_emulator/ledger",
     ]
+    if config.state_dir:
+        lines.append(f"  State:     {config.state_dir} (kept across restarts)")
     if config.faults:
         lines.append("  Faults:    " + ", ".join(_describe(r) for r in config.faults))
     lines += [

@@ -103,7 +103,9 @@ class Emulator:
     """The OpenAI + Anthropic emulator on a free loopback port.
 
     Point the SDKs at `openai_base_url` / `anthropic_base_url` with any API key. `state` is the
-    live `EmulatorState` (clock, ledger, faults, stores), shared with the server thread.
+    live `EmulatorState` (clock, ledger, faults, stores), shared with the server thread. With
+    `config.state_dir` the state is loaded from that folder here and saved back as it changes;
+    `stop()` writes the last snapshot and releases the folder for the next emulator.
     """
 
     def __init__(
@@ -118,16 +120,24 @@ class Emulator:
         self._host = host
         self._port = port
         self._server: RunningServer | None = None
+        self._closed = False
 
     def start(self) -> Emulator:
         if self._server is None:
+            if self._closed and self.config.state_dir:
+                self.state.open_state_dir(load=False)  # started again after stop()
+            self._closed = False
             self._server = run_in_thread(self.app, self._host, self._port)
         return self
 
     def stop(self) -> None:
+        """Stop serving; with a state folder, write the last snapshot and release the folder."""
         if self._server is not None:
             self._server.stop()
             self._server = None
+        if not self._closed:
+            self.state.close()
+            self._closed = True
 
     @property
     def base_url(self) -> str:

@@ -35,6 +35,17 @@ def _errors_json(code: str, message: str) -> str:
     return orjson.dumps([{"code": code, "message": message}]).decode()
 
 
+_CARRIED = """
+    SELECT DISTINCT br.batch_id FROM batch_requests br
+    JOIN batches b ON b.batch_id = br.batch_id
+        AND b.run_id <> $run AND NOT b.collected
+        AND b.backend = (SELECT backend FROM runs WHERE run_id = $run)
+    JOIN units u ON u.custom_id = br.custom_id AND u.run_id = $run
+"""
+"""Another run's uncollected batches, on this run's backend, that hold one of this run's
+requests: what dedupe attached to instead of sending again."""
+
+
 class ManifestStore(Database):
     # -- sources and units -----------------------------------------------------------------------
     def save_sources(self, table: str, run_id: str, rows: pl.DataFrame) -> None:
@@ -179,17 +190,22 @@ class ManifestStore(Database):
         )
 
     def ended_uncollected_batches(self, run_id: str) -> list[str]:
+        """Ended batches still to join: the run's own and those it carries (see open_batches)."""
         return self._ids(
-            "SELECT batch_id FROM batches WHERE run_id = ? AND NOT collected "
-            "AND list_contains(?, status) ORDER BY attempt, shard",
-            [run_id, sql_list(TERMINAL)],
+            f"SELECT batch_id FROM batches WHERE (run_id = $run OR batch_id IN ({_CARRIED})) "
+            "AND NOT collected AND list_contains($terminal, status) "
+            "ORDER BY created_at, attempt, shard",
+            {"run": run_id, "terminal": sql_list(TERMINAL)},
         )
 
     def open_batches(self, run_id: str) -> pl.DataFrame:
-        """The run's batches not yet collected (in any state)."""
+        """Batches not yet collected that hold the run's requests: its own, and another run's
+        that its dedupe attached to (a request already in flight is not sent again, so this run
+        waits for and collects that batch too, even when nobody drives the other run)."""
         return self._query(
-            "SELECT * FROM batches WHERE NOT collected AND run_id = ? ORDER BY created_at, shard",
-            [run_id],
+            f"SELECT * FROM batches WHERE NOT collected AND (run_id = $run "
+            f"OR batch_id IN ({_CARRIED})) ORDER BY created_at, shard",
+            {"run": run_id},
         )
 
     def live_provider_batches(self, run_id: str) -> pl.DataFrame:
@@ -208,7 +224,7 @@ class ManifestStore(Database):
             )["provider_batch_id"].to_list()
         )
 
-    def _ids(self, sql: str, params: list[Any]) -> list[str]:
+    def _ids(self, sql: str, params: list[Any] | dict[str, Any]) -> list[str]:
         return self._query(sql, params)["batch_id"].to_list()
 
     # -- batch transitions -----------------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Any
 
 import duckdb
 
+from lowtide.errors import PublishError
 from lowtide.output_fields import default_reduce, json_type
 from lowtide.store._sql import ident, json_path, literal, literal_list
 from lowtide.store.runs import RunsStore
@@ -228,10 +229,24 @@ def source_table(view: str) -> str:
 class PublishingStore(RunsStore):
     def publish(self, db_path: str | Path) -> Path:
         """Write a fresh published file from the state file and swap it in atomically; every
-        job in the state file gets its typed view (its latest published run)."""
+        job in the state file gets its typed views (its shown run). PublishError, naming the
+        published file, when it cannot be written: the previous file is then left as it was."""
         db_path = Path(db_path)
-        db_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = db_path.with_name(f".{db_path.name}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            db_path.parent.mkdir(parents=True, exist_ok=True)
+            self._write_published(tmp)
+            os.replace(tmp, db_path)
+        except (duckdb.Error, OSError) as e:
+            for leftover in (tmp, tmp.with_name(tmp.name + ".wal")):
+                leftover.unlink(missing_ok=True)
+            raise PublishError(
+                f"{db_path}: cannot write the published file: {' '.join(str(e).split())}; "
+                "the previous file is unchanged"
+            ) from e
+        return db_path
+
+    def _write_published(self, tmp: Path) -> None:
         with self._connect() as con:
             con.execute(f"ATTACH {literal(str(tmp))} AS pub")
             try:
@@ -273,5 +288,3 @@ class PublishingStore(RunsStore):
             pub.execute("CHECKPOINT")
         finally:
             pub.close()
-        os.replace(tmp, db_path)
-        return db_path

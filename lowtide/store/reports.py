@@ -9,8 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import duckdb
 import polars as pl
 
+from lowtide.errors import UserError
 from lowtide.store._sql import ident, json_path, literal
 from lowtide.store.publish import PublishingStore, job_rows_sql, source_table
 from lowtide.vocabulary import ANSWERED
@@ -219,10 +221,14 @@ class ReportsStore(PublishingStore):
             run_id,
             view["reduce"],
         )
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with self._connect() as con:
-            con.execute(f"COPY ({sql}) TO {literal(str(target))} {_COPY_FORMAT[fmt]}")
-            return int(con.execute(f"SELECT count(*) FROM ({sql})").fetchall()[0][0])
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with self._connect() as con:
+                con.execute(f"COPY ({sql}) TO {literal(str(target))} {_COPY_FORMAT[fmt]}")
+                return int(con.execute(f"SELECT count(*) FROM ({sql})").fetchall()[0][0])
+        except (duckdb.Error, OSError) as e:
+            # the export target is at fault here, not the state file
+            raise UserError(f"{target}: cannot write the export: {' '.join(str(e).split())}") from e
 
     def observed_output_tokens(self, job: str) -> dict[str, Any]:
         """Output tokens the provider billed per request in the job's earlier runs (every result

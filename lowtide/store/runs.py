@@ -265,10 +265,13 @@ class RunsStore(Database):
             )
         return status
 
-    def unpublish_after_failure(self, run_id: str, error: str) -> None:
+    def unpublish_after_failure(
+        self, run_id: str, error: str, published_at: datetime | None = None
+    ) -> None:
         """The published file could not be written: the run's answers are kept, but it is not
-        the one its view shows (the old file is untouched); the error says how to retry."""
-        self._update("runs", "run_id", run_id, published_at=None, error=error[:2000])
+        the one its view shows (the old file is untouched; `published_at` goes back to what it
+        was before this attempt); the error says how to retry."""
+        self._update("runs", "run_id", run_id, published_at=published_at, error=error[:2000])
 
     def publish_run(self, run_id: str) -> RunStatus:
         """A finished run becomes the one its job view shows (held → completed)."""

@@ -209,3 +209,35 @@ def test_bad_input_through_the_cli_is_one_line_without_a_trace(emulator, tmp_pat
     assert "missing column(s) ['msg']" in done.stderr
     assert "Traceback" not in done.stdout + done.stderr
     assert emulator.ledger.executions() == []
+
+
+def test_an_unreachable_base_url_is_named_in_one_line(tmp_path: Path) -> None:
+    """A provider URL on a closed port: after its retries the run stops with one line naming
+    the address it could not reach, and stays resumable (nothing was accepted)."""
+    import socket
+
+    from prefect.settings import PREFECT_API_URL
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    job = write_job(tmp_path, rows=5, eval_rows=2)
+    env = {
+        **os.environ,
+        "OPENAI_BASE_URL": f"http://127.0.0.1:{closed}/v1",
+        "OPENAI_API_KEY": "x",
+        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "lowtide.cli", "run", str(job), "--backend", "openai"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, done.stderr
+    assert f"cannot reach http://127.0.0.1:{closed}/v1" in errors[0]
+    assert "Traceback" not in done.stderr

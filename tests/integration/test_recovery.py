@@ -525,7 +525,9 @@ def test_a_publish_that_fails_leaves_the_old_file_and_the_run_unpublished(
         (tmp_path / "not-a-folder").write_text("x")
         monkeypatch.setenv("LOWTIDE_DB", str(tmp_path / "not-a-folder" / "lowtide.duckdb"))
         job.write_text(job.read_text().replace("temperature = 0.0", "temperature = 0.1"))
-        with pytest.raises(PublishError, match=r"publishing .*not-a-folder/lowtide\.duckdb failed"):
+        with pytest.raises(
+            PublishError, match=r"not-a-folder/lowtide\.duckdb: cannot write the published file"
+        ):
             enrich(job_file=str(job), emulator_url=emu.base_url)
     store = _store()
     second = store.list_runs().row(0, named=True)
@@ -539,3 +541,33 @@ def test_a_publish_that_fails_leaves_the_old_file_and_the_run_unpublished(
     con.close()
     assert shown == [(second["run_id"],)]
     assert store.get_run(second["run_id"])["published_at"] is not None
+
+
+def test_a_run_waits_for_the_batch_it_attached_to_and_an_older_run_never_replaces_it(
+    tmp_path: Path,
+) -> None:
+    """Run A is left in flight (--no-wait); the input grows by 10 rows; run B attaches to A's
+    in-flight requests instead of sending them again. B waits for and collects A's batch, so all
+    110 rows end answered, and a later `collect` of A does not put A's 100 rows back in the view."""
+    job = write_job(tmp_path, rows=100, eval_rows=5)
+    # A's batch validates for 30 simulated minutes (3 s here), so it is still in flight when
+    # B is prepared; whatever the machine's speed, B's dedupe sees it as unfinished in the
+    # store, because nobody polls A's batches until B (or collect) does
+    config = EmulatorConfig(time_scale=600.0, error_rate=0.0, seed=3, validating_s=1800)
+    with Emulator(config) as emu:
+        a = enrich(job_file=str(job), emulator_url=emu.base_url, wait=False)
+        assert a["status"] == "submitted"
+        write_job(tmp_path, rows=110, eval_rows=5)
+        b = enrich(job_file=str(job), emulator_url=emu.base_url)
+        assert b["run_id"] != a["run_id"]
+        assert b["status"] == "completed"
+        _invariant(b, 110)
+        assert b["succeeded"] == 110 and b["failed"] == 0
+        collected = collect(emulator_url=emu.base_url)
+        assert [c["run_id"] for c in collected] == [a["run_id"]]
+        assert collected[0]["status"] == "completed" and collected[0]["succeeded"] == 100
+        _paid_once(emu)
+    con = duckdb.connect(os.environ["LOWTIDE_DB"], read_only=True)
+    shown = con.execute("SELECT DISTINCT run_id, count(*) OVER () FROM support_intents").fetchall()
+    con.close()
+    assert shown == [(b["run_id"], 110)]
