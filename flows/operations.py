@@ -10,7 +10,7 @@ from typing import Any
 from prefect import flow
 
 from lowtide.backends import Connection, backend_entry
-from lowtide.errors import BackendError, JobFileError, PublishError
+from lowtide.errors import BackendError, JobFileError, PublishError, TerminalBackendError
 from lowtide.jobspec import load_job
 from lowtide.settings import Settings
 from lowtide.store import Store
@@ -18,14 +18,16 @@ from lowtide.store import Store
 
 def cancel_run(settings: Settings, run_id: str) -> dict[str, Any]:
     """Mark the run cancelling (so no new round starts), drop what was never sent, and ask the
-    provider to cancel what is in flight. Finished work is kept; `collect` records the rest as
-    cancelled. Returns {run_id, cancelled_in_flight, dropped_unsent}."""
+    provider to cancel what is in flight (a batch that ended meanwhile is left as it is). Finished
+    work is kept; `collect` records the rest as cancelled. Returns {run_id, cancelled_in_flight,
+    dropped_unsent, already_ended}."""
     store = Store(settings.state, settings.lock_timeout_s)
     run = store.require_run(run_id)
     store.mark_cancelling(run_id)
     dropped = store.cancel_unsent_batches(run_id)
     live = store.live_provider_batches(run_id)
     entry = backend_entry(run["backend"])
+    ended = 0
     if live.height and entry.mode == "batch":
         try:
             connection = Connection(
@@ -33,14 +35,26 @@ def cancel_run(settings: Settings, run_id: str) -> dict[str, Any]:
             )
             backend = entry.batch_client(connection)
             for provider_batch_id in live["provider_batch_id"]:
-                backend.cancel(provider_batch_id)
+                try:
+                    backend.cancel(provider_batch_id)
+                except TerminalBackendError:
+                    # refused because it ended meanwhile (completed, expired): nothing to
+                    # cancel, and its answers are kept like any finished work
+                    if not backend.poll(provider_batch_id).status.terminal:
+                        raise
+                    ended += 1
         except BackendError as e:
             raise type(e)(
                 f"{e} (the run is marked cancelling; run `lowtide cancel` again)",
                 backend=e.backend,
                 operation=e.operation,
             ) from e
-    return {"run_id": run_id, "cancelled_in_flight": live.height, "dropped_unsent": dropped}
+    return {
+        "run_id": run_id,
+        "cancelled_in_flight": live.height - ended,
+        "dropped_unsent": dropped,
+        "already_ended": ended,
+    }
 
 
 def _key_block(run: dict[str, Any]) -> str | None:

@@ -172,6 +172,14 @@ def collect(
     db: Annotated[Path | None, typer.Option(help="Published DuckDB file.")] = None,
 ) -> None:
     """Poll every in-flight run once, finish the batches that ended, and exit."""
+    from lowtide.settings import Settings
+
+    settings = Settings()
+    if not _anything_in_flight(settings):
+        # the common case of a schedule every few minutes: answer from the state file alone,
+        # without starting Prefect (its temporary server alone takes ~10 s)
+        console.print("nothing in flight")
+        return
 
     def call() -> list[dict[str, Any]]:
         from flows.collect import collect as collect_flow
@@ -186,6 +194,14 @@ def collect(
             render.run_summary(s)
         else:
             console.print(f"run {s['run_id']}: {s['status']}, still waiting on the provider")
+
+
+def _anything_in_flight(settings: Any) -> bool:
+    if not settings.state.is_file():
+        return False
+    from lowtide.store import Store
+
+    return bool(Store(settings.state, settings.lock_timeout_s).in_flight_runs())
 
 
 @app.command()

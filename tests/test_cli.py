@@ -70,3 +70,23 @@ def test_emulator_command_prints_what_to_export_and_serves() -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_collect_with_nothing_in_flight_answers_without_starting_prefect(tmp_path: Path) -> None:
+    """The schedule runs `collect` every few minutes; with nothing in flight it answers from the
+    state file alone: no Prefect server, no Prefect database, exit 0."""
+    home = tmp_path / "prefect-home"
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env |= {"PREFECT_HOME": str(home), "LOWTIDE_STATE": str(tmp_path / "none.duckdb")}
+    done = subprocess.run(
+        [sys.executable, "-m", "lowtide.cli", "collect"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "nothing in flight"
+    assert not (home / "prefect.db").exists()
+    assert not (tmp_path / "none.duckdb").exists()  # asking created no state file

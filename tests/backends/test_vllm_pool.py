@@ -51,6 +51,7 @@ from lowtide.backends.vllm_pool import (
     write_run_batch_shards,
 )
 from lowtide.backends.vllm_pool.control import backoff_delay, request_weights
+from lowtide.backends.vllm_pool.runner import HEALTH_FAILURES_TO_DOWN
 from lowtide.emulator.engine import EngineConfig
 from lowtide.emulator.ledger import BillingLedger
 from lowtide.emulator.server import run_in_thread
@@ -354,10 +355,11 @@ def test_an_engine_stopped_mid_run_fails_over_and_loses_nothing(engines):
 
 class HealthWatch:
     """ASGI wrapper that counts a server's /health answers by status (what the pool was told);
-    `refused` is set by the first 503."""
+    `refused` is set by the `refusals`-th 503."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, refusals: int = 1) -> None:
         self.app = app
+        self.refusals = refusals
         self.answers: Counter[int] = Counter()
         self.refused = threading.Event()
 
@@ -369,19 +371,23 @@ class HealthWatch:
         async def counted(message: Any) -> None:
             if message["type"] == "http.response.start":
                 self.answers[message["status"]] += 1
-                if message["status"] == 503:
+                if self.answers[503] >= self.refusals:
                     self.refused.set()
             await send(message)
 
         await self.app(scope, receive, counted)
 
 
-def test_an_unhealthy_engine_is_taken_out_and_comes_back(engines):
+@pytest.mark.parametrize("refusals", [1, HEALTH_FAILURES_TO_DOWN])
+def test_an_unhealthy_engine_is_taken_out_and_comes_back(engines, refusals: int):
+    """Engine 0 is killed (its /health answers 503, requests 500) and revived as soon as the
+    pool has been told 503 `refusals` times; engine 1 has two slots, so most of the run is left
+    by then. One refusal is a hiccup, not a dead server: the engine stays in (taking it out
+    would re-queue its in-flight requests, which then run twice); two take it out until
+    /health answers 200 again. Either way every request is executed exactly once."""
     ledger = BillingLedger()
-    # Engine 0 is killed (its /health answers 503, requests 500) and revived as soon as the
-    # pool has been told 503; engine 1 has two slots, so most of the run is left by then.
     app = create_vllm_app(EngineConfig(time_scale=5.0), ledger=ledger)
-    watch = HealthWatch(app)
+    watch = HealthWatch(app, refusals)
     first = run_in_thread(watch)
     second = engines(1, EngineConfig(max_num_seqs=2, time_scale=5.0), ledger=ledger)
     urls = [first.base_url + "/v1", second.urls[0]]
@@ -415,9 +421,12 @@ def test_an_unhealthy_engine_is_taken_out_and_comes_back(engines):
     results = collect.results
     assert results.height == 400 and results["custom_id"].n_unique() == 400
     assert set(results["status"]) == {"answered"}
-    assert stats.per_endpoint[urls[0]].failovers == 1
-    assert watch.answers[503] >= 1 and watch.answers[200] >= 2  # up, down, up again
     assert ledger.count_by_custom_id() == dict.fromkeys(requests["custom_id"], 1)
+    if refusals < HEALTH_FAILURES_TO_DOWN:
+        assert stats.per_endpoint[urls[0]].failovers == 0
+        return
+    assert stats.per_endpoint[urls[0]].failovers == 1
+    assert watch.answers[503] >= refusals and watch.answers[200] >= 2  # up, down, up again
     # back in the pool once /health answered 200: it served most of what was left, more than
     # the two-slot engine did over the same stretch
     ((at_0, at_1),) = at_revival

@@ -42,6 +42,9 @@ from lowtide.backends.wire import retry_after_s
 
 Checkpoint = Callable[[pl.DataFrame], None]
 
+HEALTH_FAILURES_TO_DOWN = 2
+"""Consecutive failed /health probes before an endpoint is taken down."""
+
 
 class _PoolRun:
     def __init__(self, requests: pl.DataFrame, config: PoolConfig, checkpoint: Checkpoint):
@@ -251,8 +254,15 @@ class _PoolRun:
             return
         ep.probing = True
         try:
-            if not await ep.healthy():
-                self._mark_down(ep, "/health did not answer 200")
+            # one slow /health is not a dead server (a busy engine, or one holding its GIL while
+            # it loads a tokenizer): only a second failure, a health interval later, takes it
+            # down, since taking it down re-queues its in-flight requests, which then run twice
+            for attempt in range(HEALTH_FAILURES_TO_DOWN):
+                if await ep.healthy():
+                    return
+                if attempt + 1 < HEALTH_FAILURES_TO_DOWN:
+                    await asyncio.sleep(self.config.health_interval_s)
+            self._mark_down(ep, f"/health did not answer 200 {HEALTH_FAILURES_TO_DOWN} times")
         finally:
             ep.probing = False
 
