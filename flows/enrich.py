@@ -14,6 +14,7 @@ scheduled `collect` flow reuses `advance` and `finish` for runs that stopped aft
 from __future__ import annotations
 
 import secrets
+import shutil
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,9 @@ def finish(ctx: RunContext, run_id: str) -> None:
     )
     progress.report("publish")
     publish_task(ctx, run_id)
+    if not ctx.keep_work_dir:
+        # everything the run needs is in the state file now; its parquet files only took space
+        shutil.rmtree(ctx.work_dir(run_id), ignore_errors=True)
 
 
 def send_pending(ctx: RunContext, run_id: str) -> None:

@@ -37,6 +37,7 @@ class RunContext:
     lock_timeout_s: float
     poll_max_interval_s: float
     shard_max_requests: int | None
+    keep_work_dir: bool = False
     pool: Any = None
     """The resolved `PoolConfig` for a streaming backend (None otherwise)."""
 
@@ -126,5 +127,6 @@ def run_context(
             lock_timeout_s=settings.lock_timeout_s,
             poll_max_interval_s=settings.poll_max_interval_s,
             shard_max_requests=settings.shard_max_requests,
+            keep_work_dir=settings.keep_work_dir,
             pool=pool,
         )

@@ -32,7 +32,12 @@ class Settings(BaseSettings):
         description="Published file for analysts, replaced atomically when a run completes.",
     )
     work_dir: Path = Field(
-        Path(".lowtide/work"), description="Per-run intermediate files (parquet)."
+        Path(".lowtide/work"),
+        description="Per-run intermediate files (parquet); a run's folder is removed when it "
+        "finishes, unless keep_work_dir.",
+    )
+    keep_work_dir: bool = Field(
+        False, description="Keep a finished run's intermediate files (for debugging)."
     )
     lock_timeout_s: float = Field(
         30.0, description="How long to wait for another lowtide process holding the state file."

@@ -571,3 +571,21 @@ def test_a_run_waits_for_the_batch_it_attached_to_and_an_older_run_never_replace
     shown = con.execute("SELECT DISTINCT run_id, count(*) OVER () FROM support_intents").fetchall()
     con.close()
     assert shown == [(b["run_id"], 110)]
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_finished_runs_work_files_are_removed_unless_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keep: bool
+) -> None:
+    """Everything a finished run needs is in the state file; its parquet files only took disk
+    (nightly runs added a copy each). LOWTIDE_KEEP_WORK_DIR keeps them for debugging."""
+    if keep:
+        monkeypatch.setenv("LOWTIDE_KEEP_WORK_DIR", "1")
+    job = write_job(tmp_path, rows=10, eval_rows=3)
+    with Emulator(EmulatorConfig(time_scale=600.0, error_rate=0.0)) as emu:
+        s = enrich(job_file=str(job), emulator_url=emu.base_url)
+    assert s["status"] == "completed"
+    run_dir = Path(os.environ["LOWTIDE_WORK_DIR"]) / s["run_id"]
+    assert run_dir.is_dir() == keep
+    if keep:
+        assert any(run_dir.glob("*.parquet"))

@@ -75,6 +75,7 @@ def test_the_key_comes_from_the_block_and_is_left_nowhere(
     Secret(value=key).save(block)
     job = _job(tmp_path, block)
     caplog.set_level(logging.DEBUG)
+    monkeypatch.setenv("LOWTIDE_KEEP_WORK_DIR", "1")  # keep the run's files, to scan them
     with Emulator(EmulatorConfig(time_scale=600.0, error_rate=0.0)) as emu:
         _point_openai_at(emu, monkeypatch)
         s = enrich(job_file=str(job), backend="openai", emulator_url=emu.base_url)
@@ -85,7 +86,9 @@ def test_the_key_comes_from_the_block_and_is_left_nowhere(
 
     assert key not in _database_text(Path(os.environ["LOWTIDE_STATE"]))
     assert key not in _database_text(Path(s["db"]))
-    assert key not in _work_dir_text(Path(os.environ["LOWTIDE_WORK_DIR"]))
+    work = Path(os.environ["LOWTIDE_WORK_DIR"])
+    assert any(work.rglob("*.parquet"))  # there was something to scan
+    assert key not in _work_dir_text(work)
     assert key not in repr(s)
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts()
