@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +14,27 @@ import pytest
 
 from lowtide.emulator import Emulator, EmulatorConfig
 from tests.conftest import SAMPLE_JOB
+
+
+def lowtide_cli(
+    *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """`python -m lowtide.cli ARGS` in a subprocess, as a user (or a crash test) runs it: the
+    test's environment plus `env`, and the session's Prefect server unless `env` says otherwise
+    (a PREFECT_API_URL of "" means none: Prefect's temporary server)."""
+    from prefect.settings import PREFECT_API_URL
+
+    full = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value()), **(env or {})}
+    if not full["PREFECT_API_URL"]:
+        del full["PREFECT_API_URL"]
+    return subprocess.run(
+        [sys.executable, "-m", "lowtide.cli", *args],
+        env=full,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture

@@ -7,33 +7,21 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from lowtide.emulator import Emulator, EmulatorConfig
 from lowtide.store import Store
-from tests.integration.conftest import write_job
+from tests.integration.conftest import lowtide_cli, write_job
 
 pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.slow]
 
 
 def _lowtide_run(job: Path, cwd: Path, crash_at: str | None) -> subprocess.CompletedProcess[str]:
-    from prefect.settings import PREFECT_API_URL
-
-    env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
-    env.pop("LOWTIDE_EMULATOR_URL", None)  # the in-process emulator, not one of the test's
-    if crash_at is not None:
-        env["LOWTIDE_CRASH_AT"] = crash_at
-    return subprocess.run(
-        [sys.executable, "-m", "lowtide.cli", "run", str(job)],
-        env=env,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    # no LOWTIDE_EMULATOR_URL: the run starts its in-process emulator, not one of the test's
+    assert "LOWTIDE_EMULATOR_URL" not in os.environ
+    return lowtide_cli("run", str(job), cwd=cwd, env={"LOWTIDE_CRASH_AT": crash_at or ""})
 
 
 def _emulator_memory() -> Emulator:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import duckdb
@@ -16,7 +14,7 @@ from lowtide.jobspec import load_job
 from lowtide.store import Store
 from tasks.load import load_eval_set
 from tests.conftest import SAMPLE_JOB
-from tests.integration.conftest import write_job
+from tests.integration.conftest import lowtide_cli, write_job
 from tests.sql import query
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -126,33 +124,12 @@ def test_sample_job_end_to_end_then_from_cache(emulator, clean_env: Path) -> Non
 
 
 def test_openai_backend_with_base_url_through_the_cli(emulator, tmp_path: Path) -> None:
-    from prefect.settings import PREFECT_API_URL
-
     job = write_job(tmp_path, rows=40, eval_rows=10)
-    env = {
-        **os.environ,
-        "OPENAI_BASE_URL": emulator.openai_base_url,
-        "OPENAI_API_KEY": "x",
-        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
-    }
-    done = subprocess.run(
-        [sys.executable, "-m", "lowtide.cli", "run", str(job), "--backend", "openai"],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    env = {"OPENAI_BASE_URL": emulator.openai_base_url, "OPENAI_API_KEY": "x"}
+    done = lowtide_cli("run", str(job), "--backend", "openai", cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "completed" in done.stdout
-    status = subprocess.run(
-        [sys.executable, "-m", "lowtide.cli", "status", "--json"],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    status = lowtide_cli("status", "--json", cwd=tmp_path, env=env, timeout=120)
     import orjson
 
     runs = orjson.loads(status.stdout)
@@ -188,22 +165,10 @@ def test_missing_input_column_fails_before_sending(emulator, tmp_path: Path) -> 
 
 
 def test_bad_input_through_the_cli_is_one_line_without_a_trace(emulator, tmp_path: Path) -> None:
-    from prefect.settings import PREFECT_API_URL
-
     job = write_job(tmp_path, rows=5)
     job.write_text(job.read_text().replace('id_column = "message_id"', 'id_column = "msg"'))
-    env = {
-        **os.environ,
-        "LOWTIDE_EMULATOR_URL": emulator.base_url,
-        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
-    }
-    done = subprocess.run(
-        [sys.executable, "-m", "lowtide.cli", "run", str(job)],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    done = lowtide_cli(
+        "run", str(job), cwd=tmp_path, env={"LOWTIDE_EMULATOR_URL": emulator.base_url}
     )
     assert done.returncode == 2
     assert "missing column(s) ['msg']" in done.stderr
@@ -216,26 +181,12 @@ def test_an_unreachable_base_url_is_named_in_one_line(tmp_path: Path) -> None:
     the address it could not reach, and stays resumable (nothing was accepted)."""
     import socket
 
-    from prefect.settings import PREFECT_API_URL
-
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]
     job = write_job(tmp_path, rows=5, eval_rows=2)
-    env = {
-        **os.environ,
-        "OPENAI_BASE_URL": f"http://127.0.0.1:{closed}/v1",
-        "OPENAI_API_KEY": "x",
-        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
-    }
-    done = subprocess.run(
-        [sys.executable, "-m", "lowtide.cli", "run", str(job), "--backend", "openai"],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    env = {"OPENAI_BASE_URL": f"http://127.0.0.1:{closed}/v1", "OPENAI_API_KEY": "x"}
+    done = lowtide_cli("run", str(job), "--backend", "openai", cwd=tmp_path, env=env)
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, done.stderr

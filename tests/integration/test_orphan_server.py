@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from lowtide.emulator import Emulator, EmulatorConfig
-from tests.integration.conftest import write_job
+from tests.integration.conftest import lowtide_cli, write_job
 
 pytestmark = [
     pytest.mark.slow,
@@ -44,21 +43,14 @@ def _servers_with_home(home: Path) -> list[int]:
 def test_a_killed_run_leaves_no_prefect_server(tmp_path: Path) -> None:
     job = write_job(tmp_path, rows=20, eval_rows=4)
     home = tmp_path / "prefect-home"
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     with Emulator(EmulatorConfig(time_scale=30.0, error_rate=0.0, validating_s=5.0)) as emu:
-        env |= {
+        env = {
+            "PREFECT_API_URL": "",  # no server: the CLI starts Prefect's temporary one
             "PREFECT_HOME": str(home),
             "LOWTIDE_EMULATOR_URL": emu.base_url,
             "LOWTIDE_CRASH_AT": "after_create",
         }
-        crashed = subprocess.run(
-            [sys.executable, "-m", "lowtide.cli", "run", str(job)],
-            env=env,
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        crashed = lowtide_cli("run", str(job), cwd=tmp_path, env=env)
     assert crashed.returncode == -signal.SIGKILL, crashed.stdout + crashed.stderr
     # the kernel delivers SIGTERM at once; give uvicorn its graceful shutdown (bounded wait
     # on an event, not a speed threshold)

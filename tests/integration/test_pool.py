@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,7 +16,7 @@ from lowtide.emulator.engine import EngineConfig
 from lowtide.emulator.ledger import BillingLedger
 from lowtide.emulator.vllm_pool import start_engines
 from lowtide.store import Store
-from tests.integration.conftest import write_job
+from tests.integration.conftest import lowtide_cli, write_job
 from tests.sql import query
 
 pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.slow]
@@ -72,27 +70,14 @@ def test_pool_run_survives_an_engine_stopped_midway(tmp_path: Path, monkeypatch)
 
 
 def test_pool_run_killed_midway_resends_only_the_missing(tmp_path: Path) -> None:
-    from prefect.settings import PREFECT_API_URL
 
     job = write_job(tmp_path, rows=200, eval_rows=10, extra=POOL)
     ledger = BillingLedger()
     with start_engines(
         2, EngineConfig(time_scale=10.0), ledger=ledger, served_model_name=MODEL
     ) as pool:
-        env = {
-            **os.environ,
-            "LOWTIDE_VLLM_URLS": ",".join(pool.urls),
-            "LOWTIDE_CRASH_AT": "during_stream",
-            "PREFECT_API_URL": str(PREFECT_API_URL.value()),
-        }
-        crashed = subprocess.run(
-            [sys.executable, "-m", "lowtide.cli", "run", str(job), "--backend", "vllm"],
-            env=env,
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        env = {"LOWTIDE_VLLM_URLS": ",".join(pool.urls), "LOWTIDE_CRASH_AT": "during_stream"}
+        crashed = lowtide_cli("run", str(job), "--backend", "vllm", cwd=tmp_path, env=env)
         assert crashed.returncode == -signal.SIGKILL, crashed.stdout + crashed.stderr
         store = Store(os.environ["LOWTIDE_STATE"])
         run_id = store.list_runs().row(0, named=True)["run_id"]
