@@ -35,8 +35,9 @@ def collect(
     state: str | None = None, db: str | None = None, emulator_url: str | None = None
 ) -> list[dict[str, Any]]:
     """One pass over in-flight runs; returns a summary per run it touched. A run another live
-    process drives is skipped. A run that fails keeps its error and the others still go; the
-    flow run then fails with every failure, each with its type."""
+    process drives is reported as `driven` (with `driven_by`) and left to it. A run that fails
+    keeps its error and the others still go; the flow run then fails with every failure, each
+    with its type."""
     settings = Settings().with_overrides(state=state, db=db)
     if not settings.state.is_file():
         return []
@@ -46,8 +47,8 @@ def collect(
     for run in store.in_flight_runs():
         try:
             touched.append(_collect_one(run, settings, emulator_url))
-        except RunBusyError:
-            continue  # a live enrich (or another collect) is driving it
+        except RunBusyError as e:  # a live enrich (or another collect) drives it: left to it
+            touched.append({"run_id": run["run_id"], "status": "driven", "driven_by": e.holder})
         except Exception as e:  # noqa: BLE001 - recorded on the run, raised after the others
             store.record_error(run["run_id"], f"collect: {type(e).__name__}: {e}")
             e.add_note(f"while collecting run {run['run_id']}")

@@ -179,14 +179,8 @@ def collect_ended(ctx: RunContext, run_id: str) -> None:
 
 def open_run(ctx: RunContext) -> str:
     """The unfinished run of this job content and input on this backend to resume, or a new
-    run."""
+    run (decided in one transaction, so two runs started together share one)."""
     job, store = ctx.job, ctx.store
-    fingerprint = job.prompt_fingerprint()
-    inputs = input_fingerprint(job)
-    run_id = store.resumable_run(job.name, fingerprint, inputs, ctx.backend)
-    if run_id is not None:
-        return run_id
-    run_id = f"{job.name}-{datetime.now(UTC):%Y%m%dT%H%M%S}-{secrets.token_hex(2)}"
     store.save_job(
         job.name,
         job.view_name,
@@ -195,16 +189,15 @@ def open_run(ctx: RunContext) -> str:
         job.source_path,
         job.reduce_rules(),
     )
-    store.open_run(
-        run_id=run_id,
+    return store.open_or_resume_run(
+        run_id=f"{job.name}-{datetime.now(UTC):%Y%m%dT%H%M%S}-{secrets.token_hex(2)}",
         job=job.name,
-        job_fingerprint=fingerprint,
+        job_fingerprint=job.prompt_fingerprint(),
         job_file=job.source_path,
         backend=ctx.backend,
         model=job.model.name,
-        input_fingerprint=inputs,
+        input_fingerprint=input_fingerprint(job),
     )
-    return run_id
 
 
 def run_summary(ctx: RunContext, run_id: str) -> dict[str, Any]:

@@ -70,13 +70,13 @@ def publish_run(settings: Settings, run_id: str) -> dict[str, Any]:
     """Make a finished run (e.g. one held by the eval gate) the one its job view shows and
     rebuild the published file. Returns {run_id, status, db}."""
     store = Store(settings.state, settings.lock_timeout_s)
-    before = store.require_run(run_id)["published_at"]
-    status = store.publish_run(run_id)
+    store.publishable(run_id)  # finished, or a clear error before anything is written
     try:
-        path = store.publish(settings.db)
+        path = store.publish(settings.db, showing=run_id)
     except PublishError as e:
-        store.unpublish_after_failure(run_id, f"{e}. Fix the cause, then rerun", before)
+        store.record_error(run_id, f"{e}. Fix the cause, then: lowtide publish {run_id}")
         raise
+    status = store.publish_run(run_id)  # only now: the file shows it
     return {"run_id": run_id, "status": status.value, "db": str(path)}
 
 

@@ -192,8 +192,14 @@ def collect(
     for s in touched:
         if s.get("status") in ("completed", "cancelled", "held"):
             render.run_summary(s)
+        elif s.get("driven_by"):
+            console.print(
+                f"run {s['run_id']}: driven by {s['driven_by']}, left to it", soft_wrap=True
+            )
         else:
-            console.print(f"run {s['run_id']}: {s['status']}, still waiting on the provider")
+            console.print(
+                f"run {s['run_id']}: {s['status']}, still waiting on the provider", soft_wrap=True
+            )
 
 
 def _anything_in_flight(settings: Any) -> bool:

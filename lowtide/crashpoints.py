@@ -20,8 +20,27 @@ POINTS = (
     "during_poll",  # batch ids committed, waiting for the provider
     "during_download",  # results downloaded but not yet stored
 )
+"""The submit path's points (tests/integration/test_crash.py runs each on the emulator)."""
 
 POOL_POINTS = ("during_stream",)  # vllm backend: after a group of answers was committed
+
+PREPARE_POINTS = (
+    "during_load",  # the run's input rows saved, units not yet made
+    "after_dedupe",  # units saved, no manifest yet
+    "mid_assembly",  # request template saved, the manifest not yet
+)
+
+ROUND_POINTS = (
+    "mid_parse",  # a batch's results upserted, the batch not yet marked collected
+    "in_retry_round",  # a retry round's manifest committed, nothing of it sent
+    "in_realtime",  # a realtime batch's answers committed, the batch not yet marked complete
+)
+
+PUBLISH_POINTS = ("mid_publish",)  # the run finished in the store, the published file not swapped
+
+ALL_POINTS = (*PREPARE_POINTS, *POINTS, *ROUND_POINTS, *POOL_POINTS, *PUBLISH_POINTS)
+"""Every crash point in pipeline order (tests/integration/test_crash_matrix.py kills a run at
+each, on every backend where it applies)."""
 
 
 def crash_point(name: str) -> None:

@@ -142,4 +142,10 @@ class StateLockedError(BusyError):
 
 
 class RunBusyError(BusyError):
-    """Another live process is driving this run; it will finish it."""
+    """Another live process is driving this run; it will finish it. `run_id` and `holder`
+    (host:pid:token) say which and who."""
+
+    def __init__(self, message: str, *, run_id: str = "", holder: str = ""):
+        self.run_id = run_id
+        self.holder = holder
+        super().__init__(message)

@@ -53,7 +53,9 @@ def driving(store: Any, run_id: str, lease_s: float = LEASE_S) -> Iterator[None]
     if holder is not None:
         raise RunBusyError(
             f"run {run_id} is being driven by another lowtide process ({holder}), e.g. a "
-            "scheduled collect; it will finish the run. `lowtide status` shows its progress."
+            "scheduled collect; it will finish the run. `lowtide status` shows its progress.",
+            run_id=run_id,
+            holder=holder,
         )
     try:
         yield

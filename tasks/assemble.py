@@ -15,6 +15,7 @@ import polars as pl
 from prefect import task
 
 from lowtide.context import RunContext
+from lowtide.crashpoints import crash_point
 from lowtide.errors import BudgetExceededError
 from lowtide.jobspec import JobSpec
 from lowtide.runlog import stage_log
@@ -291,6 +292,7 @@ def assemble_task(ctx: RunContext, run_id: str, deduped: dict) -> dict:
         batches = pl.concat([batches, rt_batch], how="diagonal_relaxed")
         members = pl.concat([members, rt_members])
     store.save_template(template_id(job), *line_template(job))
+    crash_point("mid_assembly")
     store.write_manifest(run_id, reqs, batches, members)
     stage_log(
         "assemble",

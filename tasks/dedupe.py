@@ -19,6 +19,7 @@ from prefect import task
 
 from lowtide.backends import backend_entry
 from lowtide.context import RunContext
+from lowtide.crashpoints import crash_point
 from lowtide.jobspec import JobSpec
 from lowtide.runlog import stage_log
 from lowtide.store.compute import sha256_hex
@@ -134,6 +135,7 @@ def dedupe_task(ctx: RunContext, run_id: str, chunked: dict) -> dict:
         pl.col("custom_id").is_in(cached["custom_id"].implode()).alias("cache_hit")
     )
     store.save_units(run_id, keyed)
+    crash_point("after_dedupe")
     path = ctx.work_dir(run_id) / "to_send.parquet"
     to_send.select("custom_id", "request_key", "user", "unit_tokens", "urgent").write_parquet(path)
     row_units = keyed.filter(pl.col("kind") == "row")

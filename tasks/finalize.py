@@ -12,9 +12,10 @@ import polars as pl
 from prefect import task
 
 from lowtide.context import RunContext
+from lowtide.crashpoints import crash_point
 from lowtide.errors import PublishError
 from lowtide.runlog import stage_log
-from lowtide.vocabulary import ANSWERED
+from lowtide.vocabulary import ANSWERED, RunStatus
 
 
 def row_outcomes(outcomes: pl.DataFrame) -> pl.DataFrame:
@@ -72,12 +73,19 @@ def finalize_task(ctx: RunContext, run_id: str) -> dict:
 @task(name="publish", task_run_name="publish-{run_id}")
 def publish_task(ctx: RunContext, run_id: str) -> str:
     """Rebuild the analysts' file atomically. The job view shows each job's latest published
-    run, so a held or cancelled run is in the tables but not in its view."""
+    run, so a held or cancelled run is in the tables but not in its view. A completed run is
+    marked published only once its file is in place: a crash or a failed write before that
+    leaves it completed and unpublished, and a rerun of the job publishes it (sending nothing)."""
+    store = ctx.store
+    completed = store.run_status(run_id) is RunStatus.COMPLETED
     try:
-        path = ctx.store.publish(ctx.db_path)
+        path = store.publish(ctx.db_path, showing=run_id if completed else None)
     except PublishError as e:
         message = f"{e}. Fix the cause, then: lowtide publish {run_id}"
-        ctx.store.unpublish_after_failure(run_id, message)
+        store.record_error(run_id, message)
         raise PublishError(message) from e
+    crash_point("mid_publish")
+    if completed:
+        store.mark_published(run_id)
     stage_log("publish", "%s written for run %s", path, run_id)
     return str(path)

@@ -10,6 +10,7 @@ import polars as pl
 from prefect import task
 
 from lowtide.context import RunContext
+from lowtide.crashpoints import crash_point
 from lowtide.errors import InputError
 from lowtide.jobspec import JobSpec
 from lowtide.runlog import stage_log
@@ -224,6 +225,7 @@ def load_task(ctx: RunContext, run_id: str) -> dict:
         # _priority steers sending only; analysts never see it
         rows.drop(PRIORITY, strict=False).rename({"text": job.input.text_column}),
     )
+    crash_point("during_load")
     out: dict = {"sources": str(work_dir / "sources.parquet"), "rows": rows.height, "eval": None}
     evals = load_eval_set(job)
     if evals is not None:

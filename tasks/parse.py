@@ -17,6 +17,7 @@ from prefect import task
 
 from lowtide.backends import EMULATOR_ENGINE
 from lowtide.context import RunContext
+from lowtide.crashpoints import crash_point
 from lowtide.runlog import stage_log
 from lowtide.store import Store
 from lowtide.vocabulary import Outcome, RequestStatus
@@ -148,6 +149,7 @@ def parse_task(ctx: RunContext, batch_id: str, joined: dict) -> dict:
     counts = store_parsed(
         store, parsed, batch_id=batch_id, run_id=joined["run_id"], engine=ctx.answer_family
     )
+    crash_point("mid_parse")
     store.mark_collected(batch_id)
     stage_log("parse", "%s: %s", batch_id, counts)
     return counts

@@ -14,6 +14,7 @@ import polars as pl
 from prefect import task
 
 from lowtide.context import RunContext
+from lowtide.crashpoints import crash_point
 from lowtide.runlog import stage_log
 from lowtide.store import Store
 from lowtide.vocabulary import REALTIME_BACKEND, Channel
@@ -89,6 +90,7 @@ def realtime_task(ctx: RunContext, batch_id: str, run_id: str) -> dict:
         engine=ctx.answer_family,
         channel=Channel.REALTIME.value,
     )
+    crash_point("in_realtime")
     store.complete_batch(batch_id)
     stage_log("realtime", "%s: %d requests, %s", batch_id, lines.height, counts)
     return counts

@@ -17,6 +17,7 @@ import polars as pl
 from prefect import task
 
 from lowtide.context import RunContext
+from lowtide.crashpoints import crash_point
 from lowtide.jobspec import RetrySpec
 from lowtide.runlog import stage_log
 from lowtide.vocabulary import RunStatus
@@ -164,6 +165,7 @@ def retry_round_task(ctx: RunContext, run_id: str) -> bool:
         plan_realtime(store, run_id, fallback, "fallback")
     started = bool(plan["resubmit"] or plan["reask"] or fallback)
     if started:
+        crash_point("in_retry_round")
         stage_log(
             "retry",
             "%d resubmitted, %d re-asked, %d through the realtime path",

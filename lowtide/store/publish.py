@@ -7,6 +7,7 @@ nothing (it keeps reading the old inode).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from pathlib import Path
@@ -65,15 +66,21 @@ def _field_expr(name: str, spec: dict[str, Any]) -> str:
     return f"TRY_CAST(json_extract_string(r.output, {path}) AS {sql_type})"
 
 
+def shown_run_sql(job: str, showing: str | None = None) -> str:
+    """The run a job's view shows: its newest published run by start (a run collected late
+    never replaces a newer one already published), `showing` counting as published (the run
+    being published now, marked so only once its file is written)."""
+    also = f" OR run_id = {literal(showing)}" if showing else ""
+    return (
+        f"SELECT run_id FROM runs WHERE job = {literal(job)} "
+        f"AND (published_at IS NOT NULL{also}) ORDER BY started_at DESC LIMIT 1"
+    )
+
+
 def _chosen(job: str, run_id: str | None) -> str:
-    """The run a view shows: the given one, else the job's newest published run by start (a
-    run collected late never replaces a newer run that was already published)."""
     if run_id is not None:
         return f"SELECT {literal(run_id)} AS run_id"
-    return (
-        f"SELECT run_id FROM runs WHERE job = {literal(job)} AND published_at IS NOT NULL "
-        "ORDER BY started_at DESC LIMIT 1"
-    )
+    return shown_run_sql(job)
 
 
 def _properties(schema: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -195,11 +202,12 @@ def job_view_sql(
     id_column: str,
     schema: dict[str, Any],
     reduce: dict[str, str] | None = None,
+    run_id: str | None = None,
 ) -> str:
     """The job's views in the published file: one row per input row of its shown run, and
     `<view>_chunks` with one row per chunk."""
-    rows = job_rows_sql(job, src_table, id_column, schema, reduce=reduce)
-    chunks = chunk_rows_sql(job, src_table, id_column, schema)
+    rows = job_rows_sql(job, src_table, id_column, schema, run_id, reduce)
+    chunks = chunk_rows_sql(job, src_table, id_column, schema, run_id)
     return (
         f"CREATE OR REPLACE VIEW {ident(view)} AS {rows};\n"
         f"CREATE OR REPLACE VIEW {ident(view + '_chunks')} AS {chunks}"
@@ -227,26 +235,28 @@ def source_table(view: str) -> str:
 
 
 class PublishingStore(RunsStore):
-    def publish(self, db_path: str | Path) -> Path:
+    def publish(self, db_path: str | Path, showing: str | None = None) -> Path:
         """Write a fresh published file from the state file and swap it in atomically; every
-        job in the state file gets its typed views (its shown run). PublishError, naming the
-        published file, when it cannot be written: the previous file is then left as it was."""
+        job in the state file gets its typed views of its shown run (`showing` counts as
+        published: mark it so once this returns). PublishError, naming the published file,
+        when it cannot be written: the previous file is then left as it was."""
         db_path = Path(db_path)
         tmp = db_path.with_name(f".{db_path.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
             db_path.parent.mkdir(parents=True, exist_ok=True)
-            self._write_published(tmp)
+            self._write_published(tmp, showing)
             os.replace(tmp, db_path)
         except (duckdb.Error, OSError) as e:
             for leftover in (tmp, tmp.with_name(tmp.name + ".wal")):
-                leftover.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # e.g. its folder is the fault
+                    leftover.unlink()
             raise PublishError(
                 f"{db_path}: cannot write the published file: {' '.join(str(e).split())}; "
                 "the previous file is unchanged"
             ) from e
         return db_path
 
-    def _write_published(self, tmp: Path) -> None:
+    def _write_published(self, tmp: Path, showing: str | None) -> None:
         with self._connect() as con:
             con.execute(f"ATTACH {literal(str(tmp))} AS pub")
             try:
@@ -265,6 +275,7 @@ class PublishingStore(RunsStore):
             finally:
                 con.execute("DETACH pub")
         jobs = self.job_views()
+        shown = {job["job"]: self._scalar(shown_run_sql(job["job"], showing)) for job in jobs}
         pub = duckdb.connect(str(tmp))
         try:
             pub.execute(ROW_COSTS_VIEW)
@@ -283,6 +294,7 @@ class PublishingStore(RunsStore):
                         job["id_column"],
                         job["schema"],
                         job["reduce"],
+                        shown[job["job"]],
                     )
                 )
             pub.execute("CHECKPOINT")

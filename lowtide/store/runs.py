@@ -30,6 +30,36 @@ def now() -> datetime:
     return datetime.now(UTC).replace(tzinfo=None)
 
 
+_RESUMABLE_SQL = (
+    "SELECT run_id FROM runs WHERE job = ? AND job_fingerprint = ? "
+    "AND input_fingerprint IS NOT DISTINCT FROM ? AND backend = ? "
+    "AND (list_contains(?, status) OR status = ? AND published_at IS NULL) "
+    "ORDER BY started_at DESC LIMIT 1"
+)
+
+
+def _insert_run(con: Any, run: dict[str, str]) -> None:
+    con.execute(
+        "INSERT INTO runs (run_id, job, job_fingerprint, job_file, backend, model, status, "
+        "started_at, input_fingerprint) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        [
+            run["run_id"],
+            run["job"],
+            run["job_fingerprint"],
+            run["job_file"],
+            run["backend"],
+            run["model"],
+            RunStatus.RUNNING.value,
+            now(),
+            run["input_fingerprint"],
+        ],
+    )
+
+
+def _resumable_params(job: str, fingerprint: str, inputs: str, backend: str) -> list[Any]:
+    return [job, fingerprint, inputs, backend, sql_list(RESUMABLE_RUN), RunStatus.COMPLETED.value]
+
+
 class RunsStore(Database):
     # -- jobs ------------------------------------------------------------------------------------
     def save_job(
@@ -105,12 +135,10 @@ class RunsStore(Database):
     ) -> str | None:
         """The newest unfinished run of this job with the same job content and input on the
         same backend, if any (another backend's run is never driven, nor its answers published,
-        by this one)."""
+        by this one). A completed run whose publish never happened (a crash, a full disk) counts
+        as unfinished: resuming it publishes it, and nothing is asked again."""
         return self._scalar(
-            "SELECT run_id FROM runs WHERE job = ? AND job_fingerprint = ? "
-            "AND input_fingerprint IS NOT DISTINCT FROM ? AND backend = ? "
-            "AND list_contains(?, status) ORDER BY started_at DESC LIMIT 1",
-            [job, fingerprint, input_fingerprint, backend, sql_list(RESUMABLE_RUN)],
+            _RESUMABLE_SQL, _resumable_params(job, fingerprint, input_fingerprint, backend)
         )
 
     def in_flight_runs(self) -> list[dict[str, Any]]:
@@ -131,7 +159,12 @@ class RunsStore(Database):
         ).to_dicts()
 
     # -- transitions -----------------------------------------------------------------------------
-    def open_run(
+    def open_run(self, **run: str) -> None:
+        """A new run in `running` (fields as `open_or_resume_run` takes them)."""
+        with self._transaction() as con:
+            _insert_run(con, run)
+
+    def open_or_resume_run(
         self,
         *,
         run_id: str,
@@ -141,24 +174,28 @@ class RunsStore(Database):
         backend: str,
         model: str,
         input_fingerprint: str,
-    ) -> None:
-        """A new run in `running`."""
+    ) -> str:
+        """The run to drive: the resumable one (see `resumable_run`), else a new run `run_id` in
+        `running`. One transaction, so two `lowtide run` started together (the file lock makes
+        them take turns) resume one run rather than each starting one and paying twice."""
+        params = _resumable_params(job, job_fingerprint, input_fingerprint, backend)
         with self._transaction() as con:
-            con.execute(
-                "INSERT INTO runs (run_id, job, job_fingerprint, job_file, backend, model, status, "
-                "started_at, input_fingerprint) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [
-                    run_id,
-                    job,
-                    job_fingerprint,
-                    job_file,
-                    backend,
-                    model,
-                    RunStatus.RUNNING.value,
-                    now(),
-                    input_fingerprint,
-                ],
+            found = con.execute(_RESUMABLE_SQL, params).fetchall()
+            if found:
+                return str(found[0][0])
+            _insert_run(
+                con,
+                {
+                    "run_id": run_id,
+                    "job": job,
+                    "job_fingerprint": job_fingerprint,
+                    "job_file": job_file,
+                    "backend": backend,
+                    "model": model,
+                    "input_fingerprint": input_fingerprint,
+                },
             )
+        return run_id
 
     def record_prepared(
         self, run_id: str, *, rows: int, units: int, unique_requests: int, cache_hits: int
@@ -229,7 +266,8 @@ class RunsStore(Database):
         naive_cost_usd: float,
     ) -> RunStatus:
         """Every request ended: → cancelled (it was cancelling), held (the eval gate gave
-        reasons) or completed (and published). Returns the new status."""
+        reasons) or completed (published once the file is written: `mark_published`). Returns
+        the new status."""
         current = self.run_status(run_id)
         if current is RunStatus.CANCELLING:
             status = RunStatus.CANCELLED
@@ -241,7 +279,6 @@ class RunsStore(Database):
         with self._transaction() as con:
             con.execute(
                 "UPDATE runs SET status = ?, gate_note = ?, finished_at = ?, error = NULL, "
-                "published_at = CASE WHEN ? THEN ? ELSE published_at END, "
                 "succeeded = ?, failed = ?, eval_accuracy = ?, cost_usd = ?, "
                 "realtime_cost_usd = ?, naive_cost_usd = ?, "
                 "requests_sent = (SELECT count(DISTINCT br.custom_id) FROM batch_requests br "
@@ -250,8 +287,6 @@ class RunsStore(Database):
                 [
                     status.value,
                     "; ".join(hold_reasons) or None,
-                    finished,
-                    status is RunStatus.COMPLETED,
                     finished,
                     succeeded,
                     failed,
@@ -265,24 +300,27 @@ class RunsStore(Database):
             )
         return status
 
-    def unpublish_after_failure(
-        self, run_id: str, error: str, published_at: datetime | None = None
-    ) -> None:
-        """The published file could not be written: the run's answers are kept, but it is not
-        the one its view shows (the old file is untouched; `published_at` goes back to what it
-        was before this attempt); the error says how to retry."""
-        self._update("runs", "run_id", run_id, published_at=published_at, error=error[:2000])
+    def mark_published(self, run_id: str) -> None:
+        """The published file now shows the run: only after the file was swapped in, so a crash
+        or a failed write before that leaves a completed run that a rerun publishes."""
+        self._update("runs", "run_id", run_id, published_at=now(), error=None)
 
     def publish_run(self, run_id: str) -> RunStatus:
-        """A finished run becomes the one its job view shows (held → completed)."""
+        """A finished run becomes the one its job view shows (held → completed); call once its
+        file is written (`publish(db, showing=run_id)`)."""
+        new = self.publishable(run_id)
+        self._update("runs", "run_id", run_id, status=new.value, published_at=now(), error=None)
+        return new
+
+    def publishable(self, run_id: str) -> RunStatus:
+        """The status a finished run takes when published; RunStateError when it is not
+        finished."""
         status = self.run_status(run_id)
         if status is None:
             raise RunNotFoundError(f"no run {run_id!r} in {self.path}")
         if status not in FINISHED_RUN:
             raise RunStateError(f"run {run_id} is {status}; only a finished run can be published")
-        new = RunStatus.COMPLETED if status is RunStatus.HELD else status
-        self._update("runs", "run_id", run_id, status=new.value, published_at=now())
-        return new
+        return RunStatus.COMPLETED if status is RunStatus.HELD else status
 
     # -- the lease -------------------------------------------------------------------------------
     def claim_run(self, run_id: str, owner: str, lease_s: float) -> str | None:

@@ -28,11 +28,10 @@ def test_crash_then_resume_pays_once(point: str, tmp_path: Path) -> None:
     from prefect.settings import PREFECT_API_URL
 
     job = write_job(tmp_path, rows=60, eval_rows=10)
-    # during_poll needs a poll that finds the batch still running: the batch is held in
-    # validation for 10 s of real time (300 simulated s at 30x), far longer than the moment
-    # between the create call and the first poll even on a busy machine
-    validating_s = 300.0 if point == "during_poll" else 5.0
-    config = EmulatorConfig(time_scale=30.0, error_rate=0.0, seed=1, validating_s=validating_s)
+    # during_poll needs a poll that finds the batch still running: the emulator's clock stands
+    # still until the crash (an event, not a race with a busy machine), then runs for the resume
+    frozen = point == "during_poll"
+    config = EmulatorConfig(time_scale=0.0 if frozen else 30.0, error_rate=0.0, seed=1)
     with Emulator(config) as emu:
         env = {
             **os.environ,
@@ -54,6 +53,7 @@ def test_crash_then_resume_pays_once(point: str, tmp_path: Path) -> None:
         crashed_run = store.list_runs().row(0, named=True)
         assert crashed_run["status"] in ("running", "submitted")
 
+        emu.state.clock.set_time_scale(30.0)
         summary = enrich(job_file=str(job), emulator_url=emu.base_url)
         assert summary["run_id"] == crashed_run["run_id"]  # resumed, not started over
         assert summary["status"] == "completed"

@@ -84,6 +84,7 @@ def _seed(store: Store, run_id: str, label: str) -> None:
         naive_cost_usd=0.0,
     )
     assert status == "completed"
+    store.mark_published(run_id)  # as publish_task does once the file is written
 
 
 def test_job_view_has_source_columns_and_typed_outputs(tmp_path: Path) -> None:

@@ -110,7 +110,8 @@ def _publish(tmp_path: Path, reduce: dict[str, str]) -> duckdb.DuckDBPyConnectio
         realtime_cost_usd=0.0,
         naive_cost_usd=0.0,
     )
-    db = store.publish(tmp_path / "pub.duckdb")
+    db = store.publish(tmp_path / "pub.duckdb", showing="r1")
+    store.mark_published("r1")
     return duckdb.connect(str(db), read_only=True)
 
 
