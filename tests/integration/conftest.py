@@ -37,6 +37,31 @@ def lowtide_cli(
     )
 
 
+def advance_clock(emu: Emulator, seconds: float) -> None:
+    """Move the emulator's simulated clock forward (tests that freeze it, time_scale=0)."""
+    import urllib.request
+
+    urllib.request.urlopen(
+        urllib.request.Request(
+            f"{emu.base_url}/_emulator/clock/advance?seconds={seconds}", method="POST"
+        )
+    )
+
+
+def cancel_through_cli(emu: Emulator, run_id: str) -> None:
+    """`lowtide cancel RUN_ID` in-process against this emulator; it must succeed."""
+    from typer.testing import CliRunner
+
+    from lowtide.cli import app
+
+    os.environ["LOWTIDE_EMULATOR_URL"] = emu.base_url
+    try:
+        result = CliRunner().invoke(app, ["cancel", run_id])
+    finally:
+        del os.environ["LOWTIDE_EMULATOR_URL"]
+    assert result.exit_code == 0, result.output
+
+
 @pytest.fixture
 def emulator() -> Iterator[Emulator]:
     with Emulator(EmulatorConfig(time_scale=600.0, seed=3)) as emu:

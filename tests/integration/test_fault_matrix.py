@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from lowtide.emulator import Emulator, EmulatorConfig
 from lowtide.emulator.config import parse_faults
 from lowtide.store import Store
 from tests.conftest import REPO
-from tests.integration.conftest import write_job
+from tests.integration.conftest import advance_clock, cancel_through_cli, write_job
 from tests.sql import query
 
 pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.slow]
@@ -77,35 +76,14 @@ FAULTS = [
 _TABLE: dict[str, str] = {}
 
 
-def _advance(emu: Emulator, seconds: float) -> None:
-    urllib.request.urlopen(
-        urllib.request.Request(
-            f"{emu.base_url}/_emulator/clock/advance?seconds={seconds}", method="POST"
-        )
-    )
-
-
-def _cancel(emu: Emulator, run_id: str) -> None:
-    from typer.testing import CliRunner
-
-    from lowtide.cli import app
-
-    os.environ["LOWTIDE_EMULATOR_URL"] = emu.base_url
-    try:
-        result = CliRunner().invoke(app, ["cancel", run_id])
-    finally:
-        del os.environ["LOWTIDE_EMULATOR_URL"]
-    assert result.exit_code == 0, result.output
-
-
 def _run(job: Path, emu: Emulator, fault: Fault) -> dict[str, Any]:
     if fault.cancel_after_s is None:
         return enrich(job_file=str(job), emulator_url=emu.base_url)
     started = enrich(job_file=str(job), emulator_url=emu.base_url, wait=False)
     if fault.cancel_after_s:
-        _advance(emu, fault.cancel_after_s)
-    _cancel(emu, started["run_id"])
-    _advance(emu, 5)
+        advance_clock(emu, fault.cancel_after_s)
+    cancel_through_cli(emu, started["run_id"])
+    advance_clock(emu, 5)
     return collect(emulator_url=emu.base_url)[0]
 
 

@@ -19,7 +19,7 @@ from flows.enrich import enrich
 from lowtide.emulator import Emulator, EmulatorConfig
 from lowtide.pricing import load_price
 from lowtide.store import Store
-from tests.integration.conftest import write_job
+from tests.integration.conftest import advance_clock, cancel_through_cli, write_job
 from tests.sql import query, scalar
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -196,30 +196,11 @@ def test_cancel_keeps_finished_work_and_fails_the_rest_with_a_reason(tmp_path: P
     )
     with Emulator(config) as emu:
         s = enrich(job_file=str(job), emulator_url=emu.base_url, wait=False)
-        import urllib.request
-
-        urllib.request.urlopen(
-            urllib.request.Request(
-                f"{emu.base_url}/_emulator/clock/advance?seconds=15", method="POST"
-            )
-        )
-        from typer.testing import CliRunner
-
-        from lowtide.cli import app
-
+        advance_clock(emu, 15)
         store = _store()
-        os.environ["LOWTIDE_EMULATOR_URL"] = emu.base_url
-        try:
-            result = CliRunner().invoke(app, ["cancel", s["run_id"]])
-        finally:
-            del os.environ["LOWTIDE_EMULATOR_URL"]
-        assert result.exit_code == 0, result.output
+        cancel_through_cli(emu, s["run_id"])
         assert store.get_run(s["run_id"])["status"] == "cancelling"
-        urllib.request.urlopen(
-            urllib.request.Request(
-                f"{emu.base_url}/_emulator/clock/advance?seconds=5", method="POST"
-            )
-        )
+        advance_clock(emu, 5)
         done = collect(emulator_url=emu.base_url)[0]
         assert done["status"] == "cancelled"
         _invariant(done, 30)
@@ -240,24 +221,9 @@ def test_cancel_while_the_provider_validates_ends_every_row_cancelled(tmp_path: 
     config = EmulatorConfig(time_scale=0.0, error_rate=0.0, validating_s=3600, cancel_drain_s=1)
     with Emulator(config) as emu:
         s = enrich(job_file=str(job), emulator_url=emu.base_url, wait=False)
-        from typer.testing import CliRunner
-
-        from lowtide.cli import app
-
         store = _store()
-        os.environ["LOWTIDE_EMULATOR_URL"] = emu.base_url
-        try:
-            result = CliRunner().invoke(app, ["cancel", s["run_id"]])
-        finally:
-            del os.environ["LOWTIDE_EMULATOR_URL"]
-        assert result.exit_code == 0, result.output
-        import urllib.request
-
-        urllib.request.urlopen(
-            urllib.request.Request(
-                f"{emu.base_url}/_emulator/clock/advance?seconds=5", method="POST"
-            )
-        )
+        cancel_through_cli(emu, s["run_id"])
+        advance_clock(emu, 5)
         done = collect(emulator_url=emu.base_url)[0]
         assert done["status"] == "cancelled"
         _invariant(done, 20)
