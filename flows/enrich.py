@@ -13,7 +13,6 @@ scheduled `collect` flow reuses `advance` and `finish` for runs that stopped aft
 
 from __future__ import annotations
 
-import secrets
 import shutil
 from datetime import UTC, datetime
 from pathlib import Path
@@ -25,8 +24,11 @@ from prefect.runtime import flow_run
 from lowtide import artifacts, progress
 from lowtide.context import RunContext, run_context
 from lowtide.crashpoints import crash_point
+from lowtide.input_identity import input_digest, input_fingerprint, spec_digest
 from lowtide.jobspec import load_job
 from lowtide.lease import driving
+from lowtide.nightly import new_run_id, unchanged_summary
+from lowtide.runlog import stage_log
 from lowtide.settings import Settings
 from lowtide.vocabulary import RunStatus
 from tasks.assemble import assemble_task
@@ -34,7 +36,7 @@ from tasks.chunk import chunk_task
 from tasks.dedupe import dedupe_task
 from tasks.finalize import finalize_task, publish_task
 from tasks.join import join_task
-from tasks.load import input_fingerprint, load_task
+from tasks.load import load_task
 from tasks.parse import parse_task
 from tasks.poll import poll_task
 from tasks.qa import qa_task
@@ -64,6 +66,12 @@ def enrich(
     job content and input, so a rerun after a crash sends nothing already accepted."""
     settings = Settings().with_overrides(state=state, db=db)
     job = load_job(job_file, backend)
+    unchanged = unchanged_summary(settings, job)
+    if unchanged is not None:
+        stage_log(
+            "unchanged", "job and input as in run %s: nothing to ask", unchanged["unchanged_from"]
+        )
+        return unchanged
     with run_context(settings, job, emulator_url) as ctx:
         run_id = open_run(ctx)
         with driving(ctx.store, run_id), artifacts.progress_artifact(job.name) as progress_id:
@@ -190,13 +198,15 @@ def open_run(ctx: RunContext) -> str:
         job.reduce_rules(),
     )
     return store.open_or_resume_run(
-        run_id=f"{job.name}-{datetime.now(UTC):%Y%m%dT%H%M%S}-{secrets.token_hex(2)}",
+        run_id=new_run_id(job.name),
         job=job.name,
         job_fingerprint=job.prompt_fingerprint(),
         job_file=job.source_path,
         backend=ctx.backend,
         model=job.model.name,
         input_fingerprint=input_fingerprint(job),
+        input_digest=input_digest(job),
+        spec_digest=spec_digest(job),
     )
 
 

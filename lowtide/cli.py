@@ -45,12 +45,13 @@ BackendOpt = Annotated[
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_JOB = REPO_ROOT / "data" / "jobs" / "support-intents.toml"
+PREFECT_HOME = Path(".lowtide/prefect")  # where Prefect keeps its files unless PREFECT_HOME says
 
 
 def _prefect_env() -> None:
     from lowtide.settings import prefect_defaults
 
-    prefect_defaults(Path(".lowtide/prefect"))
+    prefect_defaults(PREFECT_HOME)
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
@@ -101,7 +102,18 @@ def _run_job(
 ) -> dict[str, Any]:
     from lowtide.jobspec import load_job
 
-    load_job(job_file, backend)  # a bad job file is reported at once, before Prefect starts
+    job = load_job(job_file, backend)  # a bad job file is reported at once, before Prefect
+
+    from lowtide.settings import Settings, prefect_server_configured
+
+    if not prefect_server_configured(PREFECT_HOME):
+        # no UI would show the run, so an unchanged night is answered from the state file
+        # without starting Prefect's temporary server (~10 s); with a server, the flow checks
+        from lowtide.nightly import unchanged_summary
+
+        summary = unchanged_summary(Settings().with_overrides(db=db), job)
+        if summary is not None:
+            return summary
 
     def call() -> dict[str, Any]:
         from flows.enrich import enrich
@@ -313,6 +325,7 @@ STATUS_FIELDS = (
     "published_at",
     "error",
     "gate_note",
+    "unchanged_from",
 )
 
 
@@ -421,6 +434,7 @@ def _register_emulator() -> None:
 
 
 _register_emulator()
+
 
 qa_app = typer.Typer(no_args_is_help=True, help="Human review of a run's QA sample.")
 app.add_typer(qa_app, name="qa")

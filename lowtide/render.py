@@ -76,7 +76,12 @@ def run_summary(s: dict[str, Any]) -> None:
     for k, v in rows:
         t.add_row(k, "" if v is None else str(v))
     console.print(t)
-    if s.get("units") and s.get("row_units_cached") == s.get("units"):
+    if s.get("unchanged_from"):
+        console.print(
+            f"[green]Job and input unchanged since run {escape(s['unchanged_from'])}: "
+            "nothing was read or sent; the view shows the same rows.[/]"
+        )
+    elif s.get("units") and s.get("row_units_cached") == s.get("units"):
         sent = s.get("requests_sent") or 0
         tail = (
             "nothing was sent."

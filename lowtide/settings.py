@@ -9,6 +9,7 @@ the process environment.
 from __future__ import annotations
 
 import os
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -121,3 +122,27 @@ def prefect_defaults(home: Path) -> None:
     # UI through its API log handler.
     os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+
+
+def prefect_server_configured(home: Path) -> bool:
+    """Whether Prefect would report to a configured server (PREFECT_API_URL in the environment,
+    the active profile, or ./prefect.toml), read without importing Prefect (~3 s). Unsure (a
+    file that does not parse) counts as configured: the caller then goes through Prefect."""
+    if os.environ.get("PREFECT_API_URL"):
+        return True
+    prefect_home = Path(os.environ.get("PREFECT_HOME") or home).expanduser()
+    profiles = Path(os.environ.get("PREFECT_PROFILES_PATH") or prefect_home / "profiles.toml")
+    try:
+        if profiles.is_file():
+            doc = tomllib.loads(profiles.read_text(encoding="utf-8"))
+            active = os.environ.get("PREFECT_PROFILE") or doc.get("active") or "ephemeral"
+            if doc.get("profiles", {}).get(active, {}).get("PREFECT_API_URL"):
+                return True
+        local = Path("prefect.toml")
+        if local.is_file() and tomllib.loads(local.read_text(encoding="utf-8")).get("api", {}).get(
+            "url"
+        ):
+            return True
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return True
+    return False

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import time
 from pathlib import Path
 
@@ -141,24 +140,6 @@ def normalise_input(
             "ids must be unique"
         )
     return out
-
-
-def input_fingerprint(job: JobSpec) -> str:
-    """Identity of the job's input (and eval set) as files on disk: path, size, modification
-    time. A rerun resumes an unfinished run only when this is unchanged."""
-    parts = []
-    for raw in (
-        job.input.database if job.input.path.startswith("duckdb:") else job.input.path,
-        job.qa.eval_set,
-    ):
-        path = job.resolve(raw) if raw else None
-        if path and Path(path).is_file():
-            st = Path(path).stat()
-            parts.append(f"{Path(path).resolve()}|{st.st_size}|{st.st_mtime_ns}")
-        else:
-            parts.append(str(path))
-    parts.append(job.input.path)
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 def load_input(job: JobSpec) -> pl.DataFrame:

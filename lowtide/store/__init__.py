@@ -7,7 +7,8 @@
 - `results`: results, re-asks, prices and the per-run tables derived from them;
 - `publish`: the analysts' file, rebuilt and swapped in atomically;
 - `reports`: read models for status, summaries, reports and exports;
-- `history`: a job's runs over time, for the charts of `lowtide report`.
+- `history`: a job's runs over time, for the charts of `lowtide report`;
+- `unchanged`: the night nothing changed, recorded from the run the view already shows.
 
 Connections and quoting are private (`_db`, `_sql`); `compute` is SQL used as a calculator
 (hashes, reading an input table) that touches no state. Nothing outside this package writes SQL.
@@ -20,9 +21,10 @@ from lowtide.store.manifest import ManifestStore
 from lowtide.store.reports import EXPORT_FORMATS, ReportsStore
 from lowtide.store.results import ResultsStore
 from lowtide.store.runs import now
+from lowtide.store.unchanged import UnchangedStore
 
 
-class Store(ReportsStore, ManifestStore, ResultsStore, HistoryStore):
+class Store(ReportsStore, ManifestStore, ResultsStore, HistoryStore, UnchangedStore):
     """The state file. Each public method is one short transaction, named for its purpose."""
 
 

@@ -258,6 +258,18 @@ MIGRATIONS.append(
     )
 )
 
+MIGRATIONS.append(
+    (
+        9,
+        "a night whose job and input did not change is recorded without asking anything",
+        """
+        ALTER TABLE runs ADD COLUMN input_digest VARCHAR;   -- digest of the input's bytes
+        ALTER TABLE runs ADD COLUMN spec_digest VARCHAR;    -- digest of the whole job spec
+        ALTER TABLE runs ADD COLUMN unchanged_from VARCHAR; -- the run whose rows this one shows
+        """,
+    )
+)
+
 LATEST = MIGRATIONS[-1][0]
 
 

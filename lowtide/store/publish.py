@@ -69,17 +69,21 @@ def _field_expr(name: str, spec: dict[str, Any]) -> str:
 def shown_run_sql(job: str, showing: str | None = None) -> str:
     """The run a job's view shows: its newest published run by start (a run collected late
     never replaces a newer one already published), `showing` counting as published (the run
-    being published now, marked so only once its file is written)."""
+    being published now, marked so only once its file is written). A run that found its job
+    and input unchanged shows the rows of the run it points to."""
     also = f" OR run_id = {literal(showing)}" if showing else ""
     return (
-        f"SELECT run_id FROM runs WHERE job = {literal(job)} "
+        f"SELECT coalesce(unchanged_from, run_id) AS run_id FROM runs WHERE job = {literal(job)} "
         f"AND (published_at IS NOT NULL{also}) ORDER BY started_at DESC LIMIT 1"
     )
 
 
 def _chosen(job: str, run_id: str | None) -> str:
     if run_id is not None:
-        return f"SELECT {literal(run_id)} AS run_id"
+        return (
+            f"SELECT coalesce(max(unchanged_from), {literal(run_id)}) AS run_id FROM runs "
+            f"WHERE run_id = {literal(run_id)}"
+        )
     return shown_run_sql(job)
 
 

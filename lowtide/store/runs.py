@@ -38,10 +38,11 @@ _RESUMABLE_SQL = (
 )
 
 
-def _insert_run(con: Any, run: dict[str, str]) -> None:
+def _insert_run(con: Any, run: dict[str, str | None]) -> None:
     con.execute(
         "INSERT INTO runs (run_id, job, job_fingerprint, job_file, backend, model, status, "
-        "started_at, input_fingerprint) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        "started_at, input_fingerprint, input_digest, spec_digest) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         [
             run["run_id"],
             run["job"],
@@ -52,6 +53,8 @@ def _insert_run(con: Any, run: dict[str, str]) -> None:
             RunStatus.RUNNING.value,
             now(),
             run["input_fingerprint"],
+            run.get("input_digest"),
+            run.get("spec_digest"),
         ],
     )
 
@@ -174,6 +177,8 @@ class RunsStore(Database):
         backend: str,
         model: str,
         input_fingerprint: str,
+        input_digest: str | None = None,
+        spec_digest: str | None = None,
     ) -> str:
         """The run to drive: the resumable one (see `resumable_run`), else a new run `run_id` in
         `running`. One transaction, so two `lowtide run` started together (the file lock makes
@@ -193,6 +198,8 @@ class RunsStore(Database):
                     "backend": backend,
                     "model": model,
                     "input_fingerprint": input_fingerprint,
+                    "input_digest": input_digest,
+                    "spec_digest": spec_digest,
                 },
             )
         return run_id

@@ -1,0 +1,60 @@
+"""What a run was made from, cheaply: the input's identity as files on disk, its content digest
+and the job spec's digest. A night whose identity matches the shown run has nothing to ask.
+
+Kept free of Prefect and polars: the CLI checks it before starting anything heavy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from lowtide.jobspec import JobSpec
+
+_READ_SIZE = 1 << 20
+
+
+def input_files(job: JobSpec) -> list[str | None]:
+    """The files a run reads: its input (the DuckDB database for a `duckdb:` source) and eval
+    set, resolved against the job file's folder."""
+    raw = job.input.database if job.input.path.startswith("duckdb:") else job.input.path
+    return [job.resolve(raw) if raw else None, job.resolve(job.qa.eval_set)]
+
+
+def input_fingerprint(job: JobSpec) -> str:
+    """Identity of the job's input (and eval set) as files on disk: path, size, modification
+    time. A rerun resumes an unfinished run only when this is unchanged."""
+    parts = []
+    for path in input_files(job):
+        if path and Path(path).is_file():
+            st = Path(path).stat()
+            parts.append(f"{Path(path).resolve()}|{st.st_size}|{st.st_mtime_ns}")
+        else:
+            parts.append(str(path))
+    parts.append(job.input.path)
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def input_digest(job: JobSpec) -> str | None:
+    """Digest of the input's and eval set's bytes (a file rewritten with the same content keeps
+    it); None for a source that is not a plain file. About 1 s per GB, read in 1 MiB pieces."""
+    digest = hashlib.blake2b(digest_size=20)
+    for path in input_files(job):
+        if path is None:
+            digest.update(b"-")
+            continue
+        p = Path(path)
+        if not p.is_file() or job.input.path.startswith("duckdb:") and path == input_files(job)[0]:
+            return None  # a database file changes under writes that keep the table as it was
+        with p.open("rb") as f:
+            while block := f.read(_READ_SIZE):
+                digest.update(block)
+        digest.update(b"\x00")
+    return digest.hexdigest()
+
+
+def spec_digest(job: JobSpec) -> str:
+    """Digest of the whole job spec as loaded (prompt, schema, columns, chunking, model, ...):
+    any change to the job file's meaning changes it; where the file lives does not."""
+    text = job.model_dump_json(exclude={"source_path"})
+    return hashlib.blake2b(text.encode(), digest_size=20).hexdigest()
