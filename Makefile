@@ -8,7 +8,7 @@ export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_LOGGING_LEVEL ?= WARNING
 
-.PHONY: demo test lint format install clean bench-engine bench-pool bench-pipeline serve
+.PHONY: demo test lint format install clean bench-engine bench-pool bench-pool-sweep bench-pipeline bench-scale serve
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,8 +41,17 @@ ROWS ?= 100000
 bench-pipeline: $(STAMP)
 	$(PY) bench/bench_pipeline.py --rows $(ROWS)
 
+# the whole `lowtide run` at ROWS rows beside the floor (needs ../shared/bench; skips without it)
+bench-scale: $(STAMP)
+	$(PY) bench/bench_scale.py --rows $(ROWS)
+
+# The feeder sweep (4/16/64 engines) prints its table first; bench_pool.py's line stays last.
+FEEDERS ?= 1
+bench-pool-sweep: $(STAMP)
+	$(PY) bench/bench_pool_sweep.py --feeders $(FEEDERS)
+
 REQUESTS ?= 20000
-bench-pool: $(STAMP)
+bench-pool: $(STAMP) bench-pool-sweep
 	$(PY) bench/bench_pool.py --requests $(REQUESTS)
 
 # A local Prefect server (SQLite, offline) with lowtide's deployments served: UI on :4200

@@ -1,0 +1,403 @@
+"""The whole `lowtide run` at scale, beside the hand-written floor, in one invocation.
+
+    .venv/bin/python bench/bench_scale.py --rows 100000        (make bench-scale ROWS=N)
+
+1. Data and floor from ../shared/bench (skipped, with the reason, when it is absent): the
+   reference `limit_e2e.py --hash xxh3 --no-payload` on the generated rows, and one bpe-openai
+   pass over the rows longer than the chunk budget in bytes (the only rows that need counting).
+2. The emulator in its own process (`lowtide emulator --time-scale 2000 --error-rate 0`).
+3. Three nights of the real CLI, template `{text}`: the first; the second over the same input;
+   a third with 1% of rows appended and 1% changed.
+
+CPU is the process tree's: lowtide, its Prefect temporary server (this process becomes a child
+subreaper, so the server is reaped here when lowtide exits) and nothing of the emulator. Stage
+seconds and task-run counts come from the run's own record in Prefect's database. The last line
+is the contract:
+
+    scale: rows=N total_s=… reference_s=… tokenizer_s=… ratio=… peak_rss_mb=… …
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import platform
+import re
+import resource
+import shutil
+import socket
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+LABELS = ["billing", "technical", "account", "shipping", "refund", "other"]
+CHUNK_TOKENS = 1024
+_PR_SET_CHILD_SUBREAPER = 36
+
+TOKENIZER_FLOOR = """
+import sys, time, polars as pl
+from bpe_openai import get_encoding
+enc = get_encoding("o200k_base")
+texts = pl.read_parquet(sys.argv[1], columns=["text"]).filter(
+    pl.col("text").str.len_bytes() > int(sys.argv[2]))["text"].to_list()
+started = time.process_time()
+n = 0
+for t in texts:
+    for i in range(0, len(t), 50_000):   # bpe-openai refuses one very long input
+        n += len(enc.encode(t[i:i + 50_000]))
+print(len(texts), n, time.process_time() - started)
+"""
+
+
+def reference_dir() -> Path | None:
+    here = os.environ.get("LOWTIDE_BENCH_REF")
+    path = Path(here) if here else REPO.parent / "shared" / "bench"
+    return path if (path / "limit_e2e.py").is_file() else None
+
+
+def lab_python(ref: Path) -> Path:
+    lab = Path(os.environ.get("PERF_LAB") or Path(tempfile.gettempdir()) / "perf-lab")
+    python = lab / "venv" / "bin" / "python"
+    if not python.exists():
+        subprocess.run(["bash", str(ref / "setup_env.sh")], check=True)
+    return python
+
+
+def data_dir(ref: Path, python: Path, rows: int) -> Path:
+    lab = Path(os.environ.get("PERF_LAB") or Path(tempfile.gettempdir()) / "perf-lab")
+    out = lab / "data" / f"rows_{rows}"
+    if not (out / "input.parquet").is_file():
+        subprocess.run([str(python), str(ref / "gen_data.py"), "--rows", str(rows)], check=True)
+    return out
+
+
+def timed(cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> dict:
+    """Run to the end; wall seconds, CPU seconds of the whole tree (orphans reaped here), peak
+    RSS of the largest process, and its output."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)  # its own peak RSS, not an earlier night's
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        wall = time.perf_counter() - started
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    _reap_orphans()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {
+        "rc": proc.returncode,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "peak_rss_mb": usage.ru_maxrss / 1024,
+        "stdout": stdout,
+        "stderr": stderr,
+    }
+
+
+_KEEP: set[int] = set()  # the emulator: a child that must outlive every night
+
+
+def _reap_orphans() -> None:
+    """Wait for descendants that outlived their parent (Prefect's server, told to stop when
+    lowtide exits) so their CPU counts; give up after 60 s."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        kids = [p for p in _children() if p not in _KEEP]
+        if not kids:
+            return
+        for pid in kids:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == 0:
+                    time.sleep(0.1)
+            except ChildProcessError:
+                pass
+
+
+def _children() -> list[int]:
+    me, kids = os.getpid(), []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == me:
+                kids.append(int(entry.name))
+    return kids
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_job(work: Path, input_path: Path) -> Path:
+    schema = {
+        "type": "object",
+        "properties": {
+            "label": {"type": "string", "enum": LABELS},
+            "confidence": {"type": "number", "minimum": 0, "maximum": 1},
+        },
+        "required": ["label", "confidence"],
+        "additionalProperties": False,
+    }
+    (work / "schema.json").write_text(json.dumps(schema))
+    job = work / "scale.toml"
+    job.write_text(
+        f"""name = "scale"
+[input]
+path = "{input_path}"
+id_column = "id"
+text_column = "text"
+[chunk]
+max_tokens = {CHUNK_TOKENS}
+[prompt]
+system = "Classify the support ticket; answer with JSON."
+user_template = "{{text}}"
+[output]
+name = "ticket"
+schema_file = "schema.json"
+[model]
+backend = "emulator"
+name = "gpt-4o-mini"
+max_tokens = 64
+[qa]
+sample_rate = 0.0
+[cost]
+price_table = "{REPO / "data" / "prices.csv"}"
+"""
+    )
+    return job
+
+
+def stage_seconds(prefect_db: Path) -> tuple[dict[str, float], int]:
+    """Seconds per task name (summed) and the number of task runs of the newest flow run."""
+    if not prefect_db.is_file():
+        return {}, 0
+    with sqlite3.connect(prefect_db) as con:
+        row = con.execute("SELECT id FROM flow_run ORDER BY created DESC LIMIT 1").fetchone()
+        if row is None:
+            return {}, 0
+        tasks = con.execute(
+            "SELECT name, total_run_time FROM task_run WHERE flow_run_id = ?", [row[0]]
+        ).fetchall()
+    stages: dict[str, float] = {}
+    for name, seconds in tasks:
+        stage = re.split(r"[-_]", name, maxsplit=1)[0]
+        stages[stage] = stages.get(stage, 0.0) + _seconds(seconds)
+    return stages, len(tasks)
+
+
+def _seconds(value: object) -> float:
+    if isinstance(value, int | float):
+        return float(value)
+    text = str(value or "")
+    if re.fullmatch(r"[\d.]+", text):
+        return float(text)
+    match = re.search(r"(\d+):(\d+):([\d.]+)", text)  # sqlite stores intervals as datetimes
+    if match:
+        h, m, s = match.groups()
+        return int(h) * 3600 + int(m) * 60 + float(s)
+    return 0.0
+
+
+def night(name: str, job: Path, env: dict[str, str], work: Path) -> dict:
+    prefect_db = Path(env["PREFECT_HOME"]) / "prefect.db"
+    last_flow = _newest_flow(prefect_db)
+    result = timed([str(VENV_BIN / "lowtide"), "run", str(job)], env=env, cwd=work)
+    if result["rc"] != 0:
+        sys.exit(f"{name}: lowtide run exited {result['rc']}:\n{result['stderr'][-3000:]}")
+    status = subprocess.run(
+        [str(VENV_BIN / "lowtide"), "status", "--json"],
+        env=env,
+        cwd=work,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    run = json.loads(status.stdout)[0]
+    fresh = _newest_flow(prefect_db) != last_flow
+    stages, task_runs = stage_seconds(prefect_db) if fresh else ({}, 0)
+    sizes = {k: Path(env[k]).stat().st_size for k in ("LOWTIDE_STATE", "LOWTIDE_DB")}
+    return {
+        **result,
+        "name": name,
+        "run": run,
+        "stages": stages,
+        "task_runs": task_runs,
+        "state_mb": sizes["LOWTIDE_STATE"] / 2**20,
+        "published_mb": sizes["LOWTIDE_DB"] / 2**20,
+    }
+
+
+def _newest_flow(prefect_db: Path) -> str | None:
+    if not prefect_db.is_file():
+        return None
+    with sqlite3.connect(prefect_db) as con:
+        row = con.execute("SELECT id FROM flow_run ORDER BY created DESC LIMIT 1").fetchone()
+    return row[0] if row else None
+
+
+def change_input(src: Path, dst: Path, share: float) -> None:
+    """`share` of rows appended (new ids) and `share` changed (new text), written to `dst`."""
+    import polars as pl
+
+    frame = pl.read_parquet(src)
+    n = max(1, int(frame.height * share))
+    changed = frame.with_columns(
+        pl.when(pl.int_range(pl.len()) % (frame.height // n) == 0)
+        .then(pl.col("text") + " (updated)")
+        .otherwise(pl.col("text"))
+        .alias("text")
+    )
+    appended = frame.head(n).with_columns(
+        ("new-" + pl.col("id")).alias("id"), (pl.col("text") + " (new)").alias("text")
+    )
+    pl.concat([changed, appended]).write_parquet(dst)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=100_000)
+    ap.add_argument("--keep", action="store_true", help="keep the work folder")
+    args = ap.parse_args()
+    ref = reference_dir()
+    if ref is None:
+        print(
+            "scale: skipped: the reference (../shared/bench, or LOWTIDE_BENCH_REF) is not here; "
+            "it generates the data and measures the floor"
+        )
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    python = lab_python(ref)
+    data = data_dir(ref, python, args.rows)
+
+    reference = timed(
+        [str(python), str(ref / "limit_e2e.py"), "--rows", str(args.rows), "--hash", "xxh3"]
+        + ["--no-payload", "--runs", "1"]
+    )
+    if reference["rc"] != 0:
+        sys.exit(f"reference failed:\n{reference['stderr'][-2000:]}")
+    tok = timed([sys.executable, "-c", TOKENIZER_FLOOR, str(data / "input.parquet"), "1024"])
+    long_rows, long_tokens, tok_cpu = tok["stdout"].split()
+    tokenizer_s = float(tok_cpu)
+
+    work = Path(tempfile.mkdtemp(prefix="lowtide-scale-"))
+    try:
+        input_path = work / "input.parquet"
+        shutil.copyfile(data / "input.parquet", input_path)
+        job = write_job(work, input_path)
+        emu_port = free_port()
+        emulator = subprocess.Popen(
+            [str(VENV_BIN / "lowtide"), "emulator", "--port", str(emu_port)]
+            + ["--time-scale", "2000", "--error-rate", "0"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        _KEEP.add(emulator.pid)
+        _wait_for_port(emu_port)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("LOWTIDE_", "PREFECT_API"))}
+        env.update(
+            LOWTIDE_STATE=str(work / "state.duckdb"),
+            LOWTIDE_DB=str(work / "lowtide.duckdb"),
+            LOWTIDE_WORK_DIR=str(work / "work"),
+            LOWTIDE_EMULATOR_URL=f"http://127.0.0.1:{emu_port}",
+            PREFECT_HOME=str(work / "prefect"),
+            COLUMNS="200",
+        )
+        try:
+            nights = [night("first", job, env, work), night("second (same input)", job, env, work)]
+            change_input(data / "input.parquet", input_path, 0.01)
+            nights.append(night("third (+1% rows, 1% changed)", job, env, work))
+        finally:
+            emulator.terminate()
+            emulator.wait(30)
+        report(args.rows, reference, tokenizer_s, int(long_rows), int(long_tokens), nights)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _wait_for_port(port: int) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    sys.exit(f"the emulator did not open port {port} within 60 s")
+
+
+def report(
+    rows: int,
+    reference: dict,
+    tokenizer_s: float,
+    long_rows: int,
+    long_tokens: int,
+    nights: list[dict],
+) -> None:
+    first, second, third = nights
+    floor = reference["cpu_s"] + tokenizer_s
+    print(
+        f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, {_cpu_model()}, "
+        f"Python {platform.python_version()}; rows={rows:,}"
+    )
+    print(
+        f"floor: reference CPU {reference['cpu_s']:.1f} s (wall {reference['wall_s']:.1f} s, "
+        f"peak {reference['peak_rss_mb']:.0f} MB) + bpe-openai over {long_rows:,} rows longer "
+        f"than {CHUNK_TOKENS} bytes ({long_tokens:,} tokens) {tokenizer_s:.1f} s = {floor:.1f} s"
+    )
+    stages = sorted({s for n in nights for s in n["stages"]})
+    print(
+        "\n| night | wall s | CPU s | peak RSS MB | requests sent | task runs | state MB | "
+        "published MB | " + " | ".join(f"{s} s" for s in stages) + " |"
+    )
+    print("|" + "---|" * (8 + len(stages)))
+    for n in nights:
+        cells = [
+            n["name"],
+            f"{n['wall_s']:.1f}",
+            f"{n['cpu_s']:.1f}",
+            f"{n['peak_rss_mb']:.0f}",
+            f"{n['run'].get('requests_sent') or 0:,}",
+            str(n["task_runs"]),
+            f"{n['state_mb']:.0f}",
+            f"{n['published_mb']:.0f}",
+        ] + [f"{n['stages'].get(s, 0.0):.1f}" for s in stages]
+        print("| " + " | ".join(cells) + " |")
+    size = lambda n: n["state_mb"] + n["published_mb"]  # noqa: E731
+    print(
+        f"\nscale: rows={rows} total_s={first['cpu_s']:.1f} "
+        f"reference_s={reference['cpu_s']:.1f} tokenizer_s={tokenizer_s:.1f} "
+        f"ratio={first['cpu_s'] / floor:.2f} peak_rss_mb={first['peak_rss_mb']:.0f} "
+        f"rerun_fraction={second['wall_s'] / first['wall_s']:.3f} "
+        f"rerun_requests={second['run'].get('requests_sent') or 0} "
+        f"incremental_fraction={third['wall_s'] / first['wall_s']:.3f} "
+        f"incremental_requests={third['run'].get('requests_sent') or 0} "
+        f"storage_growth={size(second) / size(first):.2f}"
+    )
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+if __name__ == "__main__":
+    main()
