@@ -8,6 +8,7 @@ offending key when anything is wrong, so a user never sees a pydantic trace.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import re
 import string
 import tomllib
@@ -187,10 +188,38 @@ class RetrySpec(_Strict):
     realtime_concurrency: int = Field(8, ge=1)
 
 
+_DNS_NAME = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?\.?$")
+
+
+def parse_discover(value: str) -> tuple[str, int]:
+    """`[pool] discover = "dns:NAME:PORT"` → (NAME, PORT): every address NAME resolves to is one
+    server at `http://ADDRESS:PORT/v1` (`vllm_pool.discovery`). NAME is a DNS name or an IP
+    literal, IPv6 in brackets (`dns:[fd00::1]:8000`). Raises ValueError saying what is wrong."""
+    example = "write it like dns:vllm-headless.default.svc.cluster.local:8000"
+    name, sep, port = value.removeprefix("dns:").rpartition(":")
+    if not value.startswith("dns:") or not sep:
+        raise ValueError(f"{value!r} is not of the form dns:NAME:PORT; {example}")
+    if name.startswith("[") and name.endswith("]"):
+        name = name[1:-1]
+        try:
+            valid_name = ipaddress.ip_address(name).version == 6
+        except ValueError:
+            valid_name = False
+    else:
+        valid_name = _DNS_NAME.match(name) is not None
+    if not valid_name:
+        raise ValueError(f"{value!r} has no valid NAME in dns:NAME:PORT; {example}")
+    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{value!r} needs a PORT from 1 to 65535 in dns:NAME:PORT; {example}")
+    return name, int(port)
+
+
 class PoolSpec(_Strict):
     """A pool of OpenAI-compatible servers (vLLM, SGLang, ...) for backend 'vllm'."""
 
     urls: list[str] = Field(default_factory=list)  # base URLs ending in /v1; or LOWTIDE_VLLM_URLS
+    # dns:NAME:PORT: every address NAME resolves to is a server, re-resolved during the run
+    discover: str | None = None
     api_key: str | None = None  # sent as a Bearer token when the servers require one
     min_inflight: int = Field(1, ge=1)  # per endpoint
     max_inflight: int = Field(256, ge=1)  # per endpoint
@@ -203,6 +232,22 @@ class PoolSpec(_Strict):
     gpu_hour_usd: float | None = None  # prices a pool run by GPU time
     gpus: int = Field(1, ge=1)  # GPUs behind the pool, for the GPU-hour price
     tokens_per_s: float | None = Field(None, gt=0)  # output tokens/s per server (estimate)
+
+    @field_validator("discover")
+    @classmethod
+    def _discover_form(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_discover(v)
+        return v
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PoolSpec:
+        if self.discover is not None and self.urls:
+            raise ValueError(
+                "urls and discover are both set; keep one (discover follows a DNS name, urls "
+                "is a fixed list)"
+            )
+        return self
 
 
 class JobSpec(_Strict):

@@ -41,6 +41,12 @@ How requests are fed (`run_pool`):
   A request is re-sent only when its response never arrived; one that arrived is never re-sent.
   When every endpoint stays down for `give_up_after_s`, the run stops with
   `TransientBackendError` after checkpointing what it has.
+- **Discovery** (`[pool] discover = "dns:NAME:PORT"`, see `discovery`): the endpoints are the
+  addresses NAME resolves to (a Kubernetes headless Service), looked up again every
+  `discover_interval_s`. A new address joins (a /health probe, then the start cap); one that
+  is gone is drained: sent nothing new, its queue moved to the others, its in-flight requests
+  left to finish — or, when its engine is gone too, failed over as above. A failed lookup
+  keeps the endpoints the pool has.
 - **Errors**: 4xx answers become `provider_error` rows at once (401/403 stop the run: the key
   is wrong for every request). The transient ones (`wire.is_transient_status`: 408, 409, 429,
   5xx) and transport errors are retried — on whichever endpoint is free, after an exponential
@@ -64,7 +70,8 @@ feeding the engines while the store writes). If it raises, the run stops and re-
 Layout: `config` (PoolConfig, the environment names), `control` (the control law: ordering,
 grouping, the cap controller, /metrics, status verdicts, backoff; pure and table-tested),
 `queues` (which request is where), `endpoint` (one server's clients and state), `runner` (the
-event loop), `stats` (PoolStats), `run_batch` (`vllm run-batch` shards). Rules shared with the
+event loop), `discovery` (endpoints that follow a DNS name), `stats` (PoolStats), `run_batch`
+(`vllm run-batch` shards). Rules shared with the
 other HTTP backends (transient statuses, Retry-After, completion → row) are in
 `lowtide.backends.wire`.
 """

@@ -3,11 +3,12 @@ environment, resolved once into a `PoolConfig`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lowtide.backends.base import Capabilities, TerminalBackendError
-from lowtide.jobspec import PoolSpec
+from lowtide.jobspec import PoolSpec, parse_discover
 
 CAPABILITIES = Capabilities(
     name="vllm",
@@ -24,6 +25,8 @@ CHAT_PATH = "/v1/chat/completions"
 # Tags each request so the emulator's billing ledger can count executions per custom_id;
 # real servers ignore it.
 CUSTOM_ID_HEADER = "X-Lowtide-Custom-Id"
+Resolver = Callable[[str, int], Sequence[str]]
+"""(name, port) → the addresses the name resolves to now; raises OSError when it cannot tell."""
 
 
 class PoolConfigError(TerminalBackendError):
@@ -35,9 +38,11 @@ class PoolConfigError(TerminalBackendError):
 
 @dataclass(frozen=True)
 class PoolConfig:
-    """Where the servers are and how to feed them. `urls` are OpenAI base URLs ending in /v1."""
+    """Where the servers are and how to feed them: `urls`, OpenAI base URLs ending in /v1, or
+    `discover` (`dns:NAME:PORT`), whose addresses become the endpoints, re-resolved every
+    `discover_interval_s` during the run — exactly one of the two."""
 
-    urls: tuple[str, ...]
+    urls: tuple[str, ...] = ()
     api_key: str | None = field(default=None, repr=False)  # never printed or logged
     min_inflight: int = 1
     max_inflight: int = 256
@@ -57,10 +62,24 @@ class PoolConfig:
     kv_grow_below: float = 0.90
     backoff_s: float = 0.5
     backoff_max_s: float = 30.0
+    discover: str | None = None
+    discover_interval_s: float = 15.0
+    # The seam tests use to change what the name resolves to; None is socket.getaddrinfo
+    # (`discovery.resolve_addresses`).
+    resolver: Resolver | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not self.urls:
-            raise PoolConfigError("PoolConfig needs at least one endpoint URL")
+        if self.discover is not None:
+            if self.urls:
+                raise PoolConfigError("PoolConfig takes urls or discover, not both")
+            try:
+                parse_discover(self.discover)
+            except ValueError as exc:
+                raise PoolConfigError(f"[pool] discover {exc}") from exc
+            if self.discover_interval_s <= 0:
+                raise PoolConfigError("PoolConfig discover_interval_s must be above 0")
+        elif not self.urls:
+            raise PoolConfigError("PoolConfig needs at least one endpoint URL or discover")
         object.__setattr__(self, "urls", tuple(normalize_url(u) for u in self.urls))
         if len(set(self.urls)) != len(self.urls):
             raise PoolConfigError(f"the same vLLM endpoint is listed twice: {list(self.urls)}")
@@ -86,24 +105,30 @@ class PoolConfig:
         **overrides: Any,
     ) -> PoolConfig:
         """The pool for a job: endpoints from `env_urls` (comma-separated; the caller passes
-        `Settings.vllm_urls`, i.e. LOWTIDE_VLLM_URLS) or else the job file's `[pool] urls`, the
-        API key from `env_api_key` (`Settings.vllm_api_key`) or else `[pool] api_key` — the
-        environment wins, as everywhere in lowtide — plus the job file's feeding settings.
-        `overrides` set any other field (tests, benches)."""
+        `Settings.vllm_urls`, i.e. LOWTIDE_VLLM_URLS), else the job file's `[pool] discover`,
+        else its `[pool] urls` (a job file holds at most one of the two); the API key from
+        `env_api_key` (`Settings.vllm_api_key`) or else `[pool] api_key` — the environment
+        wins, as everywhere in lowtide — plus the job file's feeding settings. `overrides` set
+        any other field (tests, benches)."""
         urls: list[str] = []
+        discover: str | None = None
         if env_urls and env_urls.strip():
             urls = [u.strip() for u in env_urls.split(",") if u.strip()]
+        elif spec.discover:
+            discover = spec.discover
         elif spec.urls:
             urls = list(spec.urls)
-        if not urls:
+        if not urls and discover is None:
             raise PoolConfigError(
                 "No vLLM endpoints for backend 'vllm': set [pool] urls = "
-                '["http://host:8000/v1", ...] in the job file or LOWTIDE_VLLM_URLS='
-                "http://host:8000/v1,http://host2:8000/v1 in the environment "
-                "(looked in: LOWTIDE_VLLM_URLS, job file [pool] urls)"
+                '["http://host:8000/v1", ...] or [pool] discover = "dns:NAME:PORT" in the job '
+                "file, or LOWTIDE_VLLM_URLS=http://host:8000/v1,http://host2:8000/v1 in the "
+                "environment (looked in: LOWTIDE_VLLM_URLS, job file [pool] discover and "
+                "[pool] urls)"
             )
         values: dict[str, Any] = {
             "urls": tuple(urls),
+            "discover": discover,
             "api_key": env_api_key or spec.api_key,
             "min_inflight": spec.min_inflight,
             "max_inflight": spec.max_inflight,

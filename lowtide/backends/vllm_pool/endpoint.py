@@ -29,6 +29,7 @@ class Endpoint:
         self.index = index
         self.root = url.removesuffix("/v1")
         self.up = False
+        self.draining = False  # its address left `[pool] discover`: finish, send nothing new
         self.control = CapControl(float(config.start_cap))
         self.meter = InflightMeter(started)
         self.tasks: dict[int, asyncio.Task[None]] = {}
@@ -50,6 +51,11 @@ class Endpoint:
     @property
     def cap_int(self) -> int:
         return self.control.cap_int
+
+    @property
+    def serving(self) -> bool:
+        """Up and not draining: the feeder may send it new requests."""
+        return self.up and not self.draining
 
     @property
     def inflight(self) -> int:

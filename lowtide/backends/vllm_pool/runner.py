@@ -35,6 +35,7 @@ from lowtide.backends.vllm_pool.control import (
     request_weights,
     verdict,
 )
+from lowtide.backends.vllm_pool.discovery import Discovery, follow, where
 from lowtide.backends.vllm_pool.endpoint import Endpoint, answered_row, error_text
 from lowtide.backends.vllm_pool.queues import DONE, INFLIGHT, PENDING, WorkQueues
 from lowtide.backends.vllm_pool.stats import InflightMeter, PoolStats
@@ -68,9 +69,14 @@ class _PoolRun:
         self.done = 0
         self.rows: list[tuple[Any, ...]] = []
         self.started = time.monotonic()
-        self.endpoints = [Endpoint(u, i, config, self.started) for i, u in enumerate(config.urls)]
         self.stats = PoolStats(requests=self.n)
-        self.stats.per_endpoint = {ep.url: ep.stats for ep in self.endpoints}
+        self.endpoints: list[Endpoint] = []
+        self.discovery = Discovery(config) if config.discover else None
+        self.headers = {"Content-Type": "application/json"}
+        if config.api_key:
+            self.headers["Authorization"] = f"Bearer {config.api_key}"
+        self.tls = httpx2.create_ssl_context()  # one for all clients: building one costs ~40 ms
+        self.loops: list[asyncio.Task[None]] = []
         self.fatal: BaseException | None = None
         self.finished = asyncio.Event()
         self.all_down_since: float | None = None
@@ -87,6 +93,11 @@ class _PoolRun:
     def _wake_all(self) -> None:
         for ep in self.endpoints:
             ep.wake.set()
+
+    def _serving_or_none(self) -> None:
+        """Start the give-up clock when no endpoint is serving (up and not draining)."""
+        if self.all_down_since is None and not any(e.serving for e in self.endpoints):
+            self.all_down_since = time.monotonic()
 
     # -- in-flight accounting -------------------------------------------------------------------
 
@@ -275,8 +286,7 @@ class _PoolRun:
         ep.down_reason = reason
         self.work.evacuate(ep)
         self._spawn(self._reclaim(ep, list(ep.tasks)))
-        if not any(e.up for e in self.endpoints):
-            self.all_down_since = time.monotonic()
+        self._serving_or_none()
         if not ep.recovering:
             self._spawn(self._recover(ep))
         self._wake_all()
@@ -293,12 +303,16 @@ class _PoolRun:
                 self.maybe_executed.add(i)
                 self._requeue(i)
 
-    async def _recover(self, ep: Endpoint) -> None:
+    async def _recover(self, ep: Endpoint, wait: bool = True) -> None:
+        """Probe a down endpoint every `health_interval_s` (the first at once unless `wait`)
+        and bring it up when healthy; a draining endpoint is not brought back."""
         ep.recovering = True
         try:
-            while not self.finished.is_set():
-                await asyncio.sleep(self.config.health_interval_s)
-                if await ep.healthy():
+            while not self.finished.is_set() and not ep.draining:
+                if wait:
+                    await asyncio.sleep(self.config.health_interval_s)
+                wait = True
+                if await ep.healthy() and not ep.draining:
                     self._bring_up(ep)
                     return
         finally:
@@ -311,12 +325,12 @@ class _PoolRun:
         self._wake_all()
 
     async def _watch(self, ep: Endpoint) -> None:
-        """Adapt ep's cap from its /metrics while it is up."""
+        """Adapt ep's cap from its /metrics while it is up and not draining."""
         assert ep.http is not None
         cfg = self.config
         while not self.finished.is_set():
             await asyncio.sleep(poll_interval(ep.control, cfg.metrics_interval_s))
-            if not ep.up:
+            if not ep.serving:
                 continue
             try:
                 response = await ep.http.get(ep.root + "/metrics")
@@ -329,11 +343,25 @@ class _PoolRun:
             now = time.monotonic()
             self._steer(ep, on_metrics(ep.control, load, now=now, inflight=ep.inflight, config=cfg))
 
+    # -- membership: what `run` starts with, and what `discovery.follow` adds ----------------------
+
+    def _add(self, url: str) -> Endpoint:
+        ep = Endpoint(url, len(self.endpoints), self.config, self.started)
+        ep.open(self.config, self.headers, self.tls)
+        self.endpoints.append(ep)
+        self.stats.per_endpoint[url] = ep.stats
+        return ep
+
+    def _start(self, ep: Endpoint) -> None:
+        self.loops.append(asyncio.create_task(self._feed(ep)))
+        if self.config.adaptive:
+            self.loops.append(asyncio.create_task(self._watch(ep)))
+
     # -- feeding --------------------------------------------------------------------------------
 
     async def _feed(self, ep: Endpoint) -> None:
         while not self.finished.is_set():
-            if ep.up and ep.inflight < ep.cap_int:
+            if ep.serving and ep.inflight < ep.cap_int:
                 i = self.work.take(ep, self.endpoints)
                 if i is not None:
                     self._attach(ep, i)
@@ -357,7 +385,7 @@ class _PoolRun:
             if since is not None and time.monotonic() - since >= self.config.give_up_after_s:
                 self.fatal = TransientBackendError(
                     f"every vLLM endpoint has been down for {self.config.give_up_after_s:g} s "
-                    f"({', '.join(self.config.urls)}); {self.n - self.done} of {self.n} "
+                    f"({where(self)}); {self.n - self.done} of {self.n} "
                     "requests are unanswered and will be sent by the next run",
                     backend="vllm",
                     operation="chat",
@@ -366,18 +394,16 @@ class _PoolRun:
                 self._wake_all()
 
     async def run(self) -> PoolStats:
-        cfg = self.config
-        headers = {"Content-Type": "application/json"}
-        if cfg.api_key:
-            headers["Authorization"] = f"Bearer {cfg.api_key}"
-        tls = httpx2.create_ssl_context()  # one for all clients: building one costs ~40 ms
-        for ep in self.endpoints:
-            ep.open(cfg, headers, tls)
+        for url in self.config.urls:
+            self._add(url)
         writer = asyncio.create_task(self._write())
-        loops: list[asyncio.Task[None]] = []
+        loops = self.loops
         try:
             if self.n == 0:
                 return self.stats
+            if self.discovery is not None:
+                for url in await self.discovery.resolve() or ():
+                    self._add(url)
             healthy = await asyncio.gather(*(ep.healthy() for ep in self.endpoints))
             for ep, ok in zip(self.endpoints, healthy, strict=True):
                 if ok:
@@ -386,14 +412,13 @@ class _PoolRun:
                     ep.stats.failovers += 1
                     self.stats.failovers += 1
                     self._spawn(self._recover(ep))
-            if not any(healthy):
-                self.all_down_since = time.monotonic()
+            self._serving_or_none()
             self.work.fill([ep for ep in self.endpoints if ep.up])
             for ep in self.endpoints:
-                loops.append(asyncio.create_task(self._feed(ep)))
-                if cfg.adaptive:
-                    loops.append(asyncio.create_task(self._watch(ep)))
+                self._start(ep)
             loops.append(asyncio.create_task(self._guard()))
+            if self.discovery is not None:
+                loops.append(asyncio.create_task(follow(self, self.discovery)))
             finished = asyncio.create_task(self.finished.wait())
             await asyncio.wait({finished, writer}, return_when=asyncio.FIRST_COMPLETED)
             if writer.done() and writer.exception() is not None:

@@ -14,6 +14,8 @@ class EndpointStats:
     errors: int = 0
     failovers: int = 0  # times this endpoint was marked down
     requeued: int = 0  # requests sent here that went back to the queue
+    drains: int = 0  # times its address left `[pool] discover` (it was drained)
+    drained_after: int | None = None  # `sent` when it was last drained; None while it serves
     mean_inflight: float = 0.0
     cap_history: list[tuple[float, int]] = field(default_factory=list)  # (seconds, cap)
 
@@ -73,6 +75,7 @@ class PoolStats:
                     "answered": e.answered,
                     "errors": e.errors,
                     "failovers": e.failovers,
+                    "drains": e.drains,
                     "mean_inflight": round(e.mean_inflight, 1),
                     "cap_max": e.cap_max,
                 }
