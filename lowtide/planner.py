@@ -44,7 +44,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
-import polars as pl
 import typer
 
 from lowtide.errors import PlanError
@@ -127,6 +126,8 @@ def load_api_prices(
     path = Path(table) if table is not None else DEFAULT_PRICES
     if not path.is_file():
         return []
+    import polars as pl  # only here: every CLI command imports this module to register `plan`
+
     prices = pl.read_csv(path, schema_overrides={"effective_date": pl.String})
     latest = (
         prices.filter(pl.col("provider") != "emulator")

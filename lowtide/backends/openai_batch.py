@@ -225,7 +225,7 @@ def parse_result_lines(content: bytes) -> pl.DataFrame:
         (body.struct.field("system_fingerprint") == EMULATOR_FINGERPRINT)
         .fill_null(False)
         .alias("emulated"),
-    ).cast(RESULT_SCHEMA)  # type: ignore[arg-type]
+    ).cast(RESULT_SCHEMA)
 
 
 class OpenAIBatchBackend:

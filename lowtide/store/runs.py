@@ -14,6 +14,7 @@ The run state machine (`lowtide.vocabulary.RunStatus`):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -38,7 +39,7 @@ _RESUMABLE_SQL = (
 )
 
 
-def _insert_run(con: Any, run: dict[str, str | None]) -> None:
+def _insert_run(con: Any, run: Mapping[str, str | None]) -> None:
     con.execute(
         "INSERT INTO runs (run_id, job, job_fingerprint, job_file, backend, model, status, "
         "started_at, input_fingerprint, input_digest, spec_digest) "
