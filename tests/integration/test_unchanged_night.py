@@ -113,6 +113,18 @@ def test_the_cli_answers_an_unchanged_night_without_starting_prefect(
     assert second.returncode == 0, second.stderr
     assert "Job and input unchanged since run" in second.stdout
     assert not home.exists()
+    # identical nights do not grow the files: each adds one row to `runs`
+    files = (tmp_path / "state.duckdb", tmp_path / "lowtide.duckdb")
+    after_first = sum(f.stat().st_size for f in files)
+    for _night in range(4):
+        again = lowtide_cli("run", str(job), cwd=tmp_path, env=bare)
+        assert again.returncode == 0 and "unchanged" in again.stdout, again.stderr
+    assert sum(f.stat().st_size for f in files) <= 1.2 * after_first
     status = lowtide_cli("status", "--json", cwd=tmp_path, env=env)
-    newest, older = orjson.loads(status.stdout)[:2]
-    assert newest["unchanged_from"] == older["run_id"] and newest["requests_sent"] == 0
+    runs = orjson.loads(status.stdout)  # newest first
+    assert len(runs) == 6
+    first_run = runs[-1]
+    assert first_run["unchanged_from"] is None and first_run["requests_sent"] > 0
+    # every later night points at the run whose rows the view shows, and asked nothing
+    assert {r["unchanged_from"] for r in runs[:-1]} == {first_run["run_id"]}
+    assert {r["requests_sent"] for r in runs[:-1]} == {0}
