@@ -18,6 +18,9 @@ The emulator's billing ledger checks that every request ran exactly once.
     make bench-pool                                # 20,000 requests, about 6 minutes
     .venv/bin/python bench/bench_pool.py --quick   # 4,000 requests, about 1.5 minutes
 
+`make bench-pool` runs `bench_pool_sweep.py` first (the feeder sweep: one pool client over 4,
+16 and 64 engines in their own processes; a few minutes more); this script's line stays last.
+
 The headline row (adaptive, bucketing on, prefix grouping on) runs the full `--requests`;
 the comparison rows run `--compare-requests` (default a quarter of it, at least 2,000), and
 the slow fixed caps 1 and 8 run fewer (their throughput is set by the cap, not by the tail).
