@@ -2,7 +2,9 @@
 
 For each unfinished run that has batches: `advance` it without waiting (submit what is pending,
 poll once, collect ended batches, start retries) and `finish` the runs whose requests all ended.
-Holds no worker while providers work: each call is a few seconds, then it exits.
+A run whose batches are `vllm run-batch` shards first imports whatever output shards exist
+(`flows/shards.py`). Holds no worker while providers work: each call is a few seconds, then it
+exits.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 from prefect import flow
 
 from flows.enrich import advance, finish, run_summary
+from flows.shards import import_shards, pending_requests
 from lowtide import artifacts
 from lowtide.context import run_context
 from lowtide.errors import LowtideError, RunBusyError
@@ -32,19 +35,23 @@ class CollectError(LowtideError, ExceptionGroup[Exception]):
 
 @flow(name="collect", flow_run_name=_run_name, log_prints=False)
 def collect(
-    state: str | None = None, db: str | None = None, emulator_url: str | None = None
+    state: str | None = None,
+    db: str | None = None,
+    emulator_url: str | None = None,
+    run_id: str | None = None,
 ) -> list[dict[str, Any]]:
-    """One pass over in-flight runs; returns a summary per run it touched. A run another live
-    process drives is reported as `driven` (with `driven_by`) and left to it. A run that fails
-    keeps its error and the others still go; the flow run then fails with every failure, each
-    with its type."""
+    """One pass over in-flight runs (or only `run_id`); returns a summary per run it touched.
+    A run another live process drives is reported as `driven` (with `driven_by`) and left to
+    it. A run that fails keeps its error and the others still go; the flow run then fails with
+    every failure, each with its type (one run's own error when only that run was asked for)."""
     settings = Settings().with_overrides(state=state, db=db)
     if not settings.state.is_file():
         return []
     store = Store(settings.state, settings.lock_timeout_s)
     touched = []
     problems: list[Exception] = []
-    for run in store.in_flight_runs():
+    runs = [r for r in store.in_flight_runs() if run_id is None or r["run_id"] == run_id]
+    for run in runs:
         try:
             touched.append(_collect_one(run, settings, emulator_url))
         except RunBusyError as e:  # a live enrich (or another collect) drives it: left to it
@@ -53,6 +60,8 @@ def collect(
             store.record_error(run["run_id"], f"collect: {type(e).__name__}: {e}")
             e.add_note(f"while collecting run {run['run_id']}")
             problems.append(e)
+    if problems and run_id is not None:
+        raise problems[0]
     if problems:
         # the other runs were collected; the flow run still fails so the schedule shows it
         raise CollectError(f"collect failed for {len(problems)} run(s)", problems)
@@ -62,10 +71,14 @@ def collect(
 def _collect_one(run: dict[str, Any], settings: Settings, emulator_url: str | None) -> dict:
     job = load_job(run["job_file"], run["backend"])
     with run_context(settings, job, emulator_url) as ctx, driving(ctx.store, run["run_id"]):
+        shards = import_shards(ctx, run["run_id"]) if ctx.entry.shard_files else None
         finished = advance(ctx, run["run_id"], wait=False)
         if finished:
             finish(ctx, run["run_id"])
         summary = run_summary(ctx, run["run_id"])
+        if shards is not None:
+            summary["shards"] = shards
+            summary["pending"] = pending_requests(ctx, run["run_id"])
     if finished:
         artifacts.publish_run_report(summary)
     return summary

@@ -79,7 +79,9 @@ def enrich(
                 if not ctx.store.has_manifest(run_id):
                     prepare(ctx, run_id)
                     crash_point("after_manifest")
-                if advance(ctx, run_id, wait):
+                # shard files are run by an Indexed Job, not by waiting here: stop once they
+                # are planned (`lowtide shards export`, then `shards import` or `collect`)
+                if advance(ctx, run_id, wait and not ctx.entry.shard_files):
                     finish(ctx, run_id)
             except Exception as e:
                 _record_failure(ctx, run_id, e)

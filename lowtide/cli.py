@@ -10,7 +10,8 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 from lowtide import render
-from lowtide.backends import KNOWN
+from lowtide.backends import KNOWN, backend_entry
+from lowtide.cli_shards import shards_app
 from lowtide.errors import LowtideError
 
 console = render.console
@@ -169,14 +170,22 @@ def run(
     """Run one job end to end; exits 0 when every row ended succeeded or failed with a reason
     (with --no-wait: when the batches were submitted)."""
     summary = _run_job(job_file, backend, db, wait)
-    if summary.get("status") == "submitted":
+    shard_files = backend_entry(summary["backend"]).shard_files
+    if summary.get("status") == "submitted" and shard_files:
+        console.print(
+            f"run {summary['run_id']}: planned as `vllm run-batch` shards; "
+            f"`lowtide shards export {summary['run_id']} --dir DIR` writes them for the Job, "
+            "`lowtide shards import` (or `collect`) takes the answers back.",
+            soft_wrap=True,
+        )
+    elif summary.get("status") == "submitted":
         console.print(
             f"run {summary['run_id']}: {summary.get('requests_sent')} requests submitted; "
             "`lowtide collect` finishes it (schedule it every few minutes)."
         )
     else:
         render.run_summary(summary)
-    _exit_for(summary, wait)
+    _exit_for(summary, wait and not shard_files)
 
 
 @app.command()
@@ -435,6 +444,7 @@ def _register_emulator() -> None:
 
 _register_emulator()
 
+app.add_typer(shards_app, name="shards")
 
 qa_app = typer.Typer(no_args_is_help=True, help="Human review of a run's QA sample.")
 app.add_typer(qa_app, name="qa")

@@ -58,6 +58,10 @@ class BackendEntry:
     family: str | None = None
     """The provider family whose engines give interchangeable answers for one model id (default:
     the name). The cross-run cache shares answers only within `answer_family`."""
+    shard_files: bool = False
+    """Its batches are shard files that a runner outside lowtide answers (`vllm run-batch` on
+    an Indexed Job): `lowtide shards export` writes them, `shards import` and `collect` read
+    the outputs back (`flows/shards.py`)."""
 
     def answer_family(self, model: str) -> str:
         """Whose answers this engine gives when it runs `model`: `emulator` for an emulated
@@ -120,6 +124,18 @@ def _vllm_caps() -> Capabilities:
     from lowtide.backends import vllm_pool
 
     return vllm_pool.CAPABILITIES
+
+
+def _run_batch_caps() -> Capabilities:
+    from lowtide.backends import run_batch_shards
+
+    return run_batch_shards.CAPABILITIES
+
+
+def _run_batch_shards(connection: Connection) -> Backend:
+    from lowtide.backends import run_batch_shards
+
+    return run_batch_shards.RunBatchShards()
 
 
 def _emulator_v1(connection: Connection) -> str:
@@ -216,6 +232,17 @@ REGISTRY: dict[str, BackendEntry] = {
             realtime=None,
             emulated=False,
             pricing="gpu_hour",
+        ),
+        BackendEntry(
+            name="vllm-run-batch",
+            mode="batch",
+            capabilities=_run_batch_caps,
+            realtime=None,
+            emulated=False,
+            pricing="gpu_hour",
+            make_batch=_run_batch_shards,
+            family="vllm",  # the same engines as the pool: one model id, one answer family
+            shard_files=True,
         ),
     )
 }

@@ -23,6 +23,11 @@ output file the real tool writes, with the emulator's deterministic model as the
 Not emulated: http(s) URLs for `-i`/`-o`, the metrics endpoint, engine timing, and the context
 length check (there is no engine config here).
 
+A fault for tests: `crash_after=N` (`--crash-after N`) dies as a killed pod would, once N output
+lines are written: it writes the first half of the next line, without its newline, and stops
+(`run_batch` raises `RunBatchCrashed`; the command exits 137, as after SIGKILL). With N at or
+past the request count it runs to the end.
+
 From a shell: `python -m lowtide.emulator.run_batch -i in.jsonl -o out.jsonl --model NAME`.
 """
 
@@ -54,6 +59,18 @@ class RunBatchInputError(ValueError):
     """An input line run-batch cannot parse; the whole run is aborted before any output."""
 
 
+class RunBatchCrashed(RuntimeError):
+    """The emulated run stopped midway (`crash_after`), leaving a partial output file."""
+
+    def __init__(self, written: int, requests: int):
+        self.written = written
+        self.requests = requests
+        super().__init__(f"killed after {written} of {requests} requests (emulated crash)")
+
+
+KILLED_EXIT = 137
+
+
 @dataclass(frozen=True)
 class _Request:
     custom_id: str
@@ -69,11 +86,13 @@ def run_batch(
     model_version: int = 1,
     malformed_rate: float = 0.0,
     seed: int = 0,
+    crash_after: int | None = None,
 ) -> dict[str, Any]:
     """Run every request of `input_path` and write the results to `output_path`, in input order.
 
     Raises `RunBatchInputError` (naming the line) before writing anything when a line does not
-    parse. Returns a summary: request, success and failure counts and token totals."""
+    parse, and `RunBatchCrashed` after `crash_after` lines (the output then ends in half a
+    line). Returns a summary: request, success and failure counts and token totals."""
     requests = parse_input(Path(input_path).read_bytes())
     summary: dict[str, Any] = {
         "requests": len(requests),
@@ -84,8 +103,12 @@ def run_batch(
         "output_path": str(output_path),
     }
     with open(output_path, "wb") as out:
-        for request in requests:
+        for written, request in enumerate(requests):
             line = _run_one(request, served_model_name, model_version, malformed_rate, seed)
+            if crash_after is not None and written >= crash_after:
+                cut = orjson.dumps(line)
+                out.write(cut[: len(cut) // 2])
+                raise RunBatchCrashed(written, len(requests))
             if line["error"] is None:
                 summary["succeeded"] += 1
                 usage = line["response"]["body"]["usage"]
@@ -202,6 +225,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model-version", type=int, default=1)
     p.add_argument("--malformed-rate", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--crash-after",
+        type=int,
+        default=None,
+        metavar="N",
+        help="die after N output lines, leaving half of the next one (a killed pod)",
+    )
     args = p.parse_args(argv)
     try:
         summary = run_batch(
@@ -211,10 +241,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             model_version=args.model_version,
             malformed_rate=args.malformed_rate,
             seed=args.seed,
+            crash_after=args.crash_after,
         )
     except RunBatchInputError as exc:
         print(f"run-batch: {exc}", file=sys.stderr)
         return 1
+    except RunBatchCrashed as exc:
+        print(f"run-batch: {exc}", file=sys.stderr)
+        return KILLED_EXIT
     print(
         f"run-batch: {summary['requests']} requests, {summary['succeeded']} succeeded, "
         f"{summary['failed']} failed -> {summary['output_path']}",
