@@ -49,6 +49,9 @@ class InputSpec(_Strict):
     """Extra columns to keep: a list of names (types as read), or a table name → type."""
     database: str | None = None  # for path = "duckdb:TABLE"
     priority_column: str | None = None  # truthy rows skip the batch and go realtime at once
+    cursor_column: str | None = Field(None, min_length=1)
+    """An increasing column (integer, number, date, timestamp or text): a run reads only the rows
+    past the mark of the job's last completed run (checked against the input at load)."""
 
     @field_validator("columns")
     @classmethod

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from datetime import date, datetime
 from pathlib import Path
+from typing import Any
 
+import orjson
 import polars as pl
 from prefect import task
 
@@ -23,22 +27,134 @@ PRIORITY = "_priority"
 """Column carrying a row's urgency through chunking and dedupe (from [input] priority_column)."""
 
 
+@dataclass(frozen=True)
+class Cursor:
+    """Read only the rows whose `column` is greater than `after` (every row when None), and
+    those with no value in it (so that they are refused, not skipped for ever)."""
+
+    column: str
+    after: Any = None
+
+
+_CURSOR_KINDS = "an integer, number, date, timestamp or text column"
+
+
+def cursor_kind(dtype: pl.DataType) -> str | None:
+    """The mark type of a cursor column: integer, number, date, timestamp or string (compared
+    as text); None for a type that has no useful order (booleans, lists, decimals, ...)."""
+    if dtype.is_integer():
+        return "integer"
+    if dtype.is_float():
+        return "number"
+    if dtype == pl.Date:
+        return "date"
+    if isinstance(dtype, pl.Datetime):
+        return "timestamp"
+    return "string" if dtype == pl.String else None
+
+
+def _value_kind(value: Any) -> str:
+    if isinstance(value, datetime):
+        return "timestamp"
+    if isinstance(value, date):
+        return "date"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return "integer"
+    return "number" if isinstance(value, float) else "string"
+
+
+def mark_json(value: Any) -> str:
+    """A cursor value as a stored mark: `{"type": ..., "value": ...}` (dates as ISO text)."""
+    kind = _value_kind(value)
+    plain = value.isoformat() if kind in ("date", "timestamp") else value
+    return orjson.dumps({"type": kind, "value": plain if kind != "string" else str(value)}).decode()
+
+
+def mark_value(mark: str) -> tuple[str, Any]:
+    """A stored mark back as (type, Python value)."""
+    parsed = orjson.loads(mark)
+    kind, plain = parsed["type"], parsed["value"]
+    if kind == "timestamp":
+        return kind, datetime.fromisoformat(plain)
+    if kind == "date":
+        return kind, date.fromisoformat(plain)
+    return kind, plain
+
+
+def _check_cursor(schema: pl.Schema, cursor: Cursor, where: str) -> pl.Expr:
+    """The scan's filter for `cursor`, once its column is known to exist with an orderable type
+    that compares with the mark."""
+    if cursor.column not in schema:
+        raise InputError(
+            f"{where}: [input] cursor_column {cursor.column!r} is not a column of the input; "
+            f"it has {list(schema)}"
+        )
+    dtype = schema[cursor.column]
+    kind = cursor_kind(dtype)
+    if kind is None:
+        raise InputError(
+            f"{where}: [input] cursor_column {cursor.column!r} is {dtype}, which has no order to "
+            f"read past; name {_CURSOR_KINDS} that grows with each new or changed row"
+        )
+    col = pl.col(cursor.column)
+    if cursor.after is None:
+        return pl.lit(True)
+    numeric = {"integer", "number"}
+    mark_kind = _value_kind(cursor.after)
+    if {mark_kind, kind} <= numeric:
+        return (col > pl.lit(cursor.after)) | col.is_null()
+    if mark_kind != kind:
+        raise InputError(
+            f"{where}: [input] cursor_column {cursor.column!r} is now {dtype}, but the last "
+            f"run's mark is the {mark_kind} {cursor.after!r}; restore the column's type"
+        )
+    return (col > pl.lit(cursor.after, dtype=dtype)) | col.is_null()
+
+
+def _scan(p: Path, suffix: str, text_columns: tuple[str, ...]) -> pl.LazyFrame | None:
+    if suffix == ".csv":
+        header = pl.read_csv(p, n_rows=0).columns
+        return pl.scan_csv(
+            p,
+            infer_schema_length=10_000,
+            try_parse_dates=True,
+            schema_overrides={c: pl.String for c in text_columns if c in header},
+        )
+    if suffix == ".parquet":
+        return pl.scan_parquet(p)
+    if suffix in (".jsonl", ".ndjson"):
+        return pl.scan_ndjson(p, infer_schema_length=10_000)
+    return None
+
+
 def read_table(
-    path: str, database: str | None = None, text_columns: tuple[str, ...] = ()
+    path: str,
+    database: str | None = None,
+    text_columns: tuple[str, ...] = (),
+    cursor: Cursor | None = None,
 ) -> pl.DataFrame:
     """Read csv, parquet, jsonl/ndjson, or `duckdb:TABLE` from `database`. A CSV's ISO dates
     and timestamps become DATE/TIMESTAMP columns; `text_columns` (ids, text) stay text as
-    written, so an id `007` is never read as the number 7."""
+    written, so an id `007` is never read as the number 7. With a `cursor`, only the rows past
+    its mark are read, the filter pushed into the scan (a DuckDB `WHERE`, a polars scan)."""
     if path.startswith("duckdb:"):
         table = path.removeprefix("duckdb:")
         if not database:
             raise InputError(f"{path}: set [input] database to the DuckDB file holding {table}")
-        return read_duckdb_table(database, table, path)
+        if cursor is None:
+            return read_duckdb_table(database, table, path)
+        frame = read_duckdb_table(database, table, path, cursor.column, cursor.after)
+        _check_cursor(frame.schema, cursor, path)
+        return frame
     p = Path(path)
     if not p.is_file():
         raise InputError(f"{path}: input file not found")
     suffix = p.suffix.lower()
     try:
+        if cursor is not None:
+            scan = _scan(p, suffix, text_columns)
+            if scan is not None:
+                return scan.filter(_check_cursor(scan.collect_schema(), cursor, path)).collect()
         if suffix == ".csv":
             header = pl.read_csv(p, n_rows=0).columns
             return pl.read_csv(
@@ -142,10 +258,20 @@ def normalise_input(
     return out
 
 
-def load_input(job: JobSpec) -> pl.DataFrame:
+def load_input(job: JobSpec, after: Any = None) -> pl.DataFrame:
+    """The job's input rows as (source_id, text, *columns[, _priority]); with `[input]
+    cursor_column`, only those past the mark `after` (every row when None)."""
+    return read_input(job, after)[0]
+
+
+def read_input(job: JobSpec, after: Any = None) -> tuple[pl.DataFrame, Any]:
+    """`load_input`'s rows and the largest cursor value among them (`after` when none was read;
+    None for a job without a cursor). Past a mark, no new row is not an error: the run then has
+    no rows and the job view stays as it was."""
     spec = job.input
     path = job.resolve(spec.path) or ""
-    frame = read_table(path, job.resolve(spec.database), (spec.id_column, spec.text_column))
+    cursor = Cursor(spec.cursor_column, after) if spec.cursor_column else None
+    frame = read_table(path, job.resolve(spec.database), (spec.id_column, spec.text_column), cursor)
     rows = normalise_input(
         frame,
         where=path,
@@ -154,10 +280,20 @@ def load_input(job: JobSpec) -> pl.DataFrame:
         columns=spec.column_names,
         column_types=spec.column_types,
     )
-    if rows.is_empty():
+    high = None
+    if cursor is not None:
+        values = frame[cursor.column]
+        if values.null_count():
+            ids = rows.filter(values.is_null())["source_id"].head(5).to_list()
+            raise InputError(
+                f"{path}: [input] cursor_column {cursor.column!r} is empty in "
+                f"{values.null_count()} row(s), e.g. ids {ids}; every row needs a cursor value"
+            )
+        high = values.max() if values.len() else after
+    if rows.is_empty() and (cursor is None or after is None):
         raise InputError(f"{path}: the input has no rows (only a header?); nothing to enrich")
     if spec.priority_column is None:
-        return rows
+        return rows, high
     if spec.priority_column not in frame.columns:
         raise InputError(
             f"{path}: [input] priority_column {spec.priority_column!r} is not a column of the file"
@@ -165,7 +301,7 @@ def load_input(job: JobSpec) -> pl.DataFrame:
     flag = frame[spec.priority_column]
     if flag.dtype != pl.Boolean:  # accept 1/0, yes/no, true/false, urgent/''
         flag = flag.cast(pl.String).str.to_lowercase().is_in(["1", "true", "yes", "y", "urgent"])
-    return rows.with_columns(flag.fill_null(False).alias(PRIORITY))
+    return rows.with_columns(flag.fill_null(False).alias(PRIORITY)), high
 
 
 def load_eval_set(job: JobSpec) -> pl.DataFrame | None:
@@ -191,13 +327,34 @@ def load_eval_set(job: JobSpec) -> pl.DataFrame | None:
     return out
 
 
+def _read_past_mark(ctx: RunContext, run_id: str) -> pl.DataFrame:
+    """The input rows this run reads. With `[input] cursor_column`: only those past the mark of
+    the job's last completed run, and the run records the mark it leaves (which counts only
+    once it is completed and published: `Store.cursor_mark`)."""
+    job = ctx.job
+    column = job.input.cursor_column
+    if column is None:
+        return load_input(job)
+    read_past = ctx.store.cursor_mark(
+        job.name, column=column, backend=ctx.backend, job_fingerprint=job.prompt_fingerprint()
+    )
+    rows, high = read_input(job, mark_value(read_past)[1] if read_past else None)
+    ctx.store.record_cursor(
+        run_id,
+        column=column,
+        read_past=read_past,
+        high=mark_json(high) if rows.height else read_past,
+    )
+    return rows
+
+
 @task(name="load", task_run_name="load-{run_id}")
 def load_task(ctx: RunContext, run_id: str) -> dict:
     """Read the input and the eval set; keep the input rows in the store (for the job view) and
     both as parquet files under the run's work dir for the next stages."""
     started = time.perf_counter()
     job = ctx.job
-    rows = load_input(job)
+    rows = _read_past_mark(ctx, run_id)
     work_dir = ctx.work_dir(run_id)
     rows.write_parquet(work_dir / "sources.parquet")
     ctx.store.save_sources(

@@ -8,7 +8,8 @@
 - `publish`: the analysts' file, rebuilt and swapped in atomically;
 - `reports`: read models for status, summaries, reports and exports;
 - `history`: a job's runs over time, for the charts of `lowtide report`;
-- `unchanged`: the night nothing changed, recorded from the run the view already shows.
+- `unchanged`: the night nothing changed, recorded from the run the view already shows;
+- `cursor`: where an incremental job's next run starts reading (`[input] cursor_column`).
 
 Connections and quoting are private (`_db`, `_sql`); `compute` is SQL used as a calculator
 (hashes, reading an input table) that touches no state. Nothing outside this package writes SQL.
@@ -16,6 +17,7 @@ Connections and quoting are private (`_db`, `_sql`); `compute` is SQL used as a 
 
 from __future__ import annotations
 
+from lowtide.store.cursor import CursorStore
 from lowtide.store.history import HistoryStore, JobHistory
 from lowtide.store.manifest import ManifestStore
 from lowtide.store.reports import EXPORT_FORMATS, ReportsStore
@@ -24,7 +26,7 @@ from lowtide.store.runs import now
 from lowtide.store.unchanged import UnchangedStore
 
 
-class Store(ReportsStore, ManifestStore, ResultsStore, HistoryStore, UnchangedStore):
+class Store(ReportsStore, ManifestStore, ResultsStore, HistoryStore, UnchangedStore, CursorStore):
     """The state file. Each public method is one short transaction, named for its purpose."""
 
 

@@ -270,6 +270,18 @@ MIGRATIONS.append(
     )
 )
 
+MIGRATIONS.append(
+    (
+        10,
+        "a job with [input] cursor_column reads only the rows past its last completed run's mark",
+        """
+        ALTER TABLE runs ADD COLUMN cursor_column VARCHAR; -- the input column the run read past
+        ALTER TABLE runs ADD COLUMN cursor_from VARCHAR;   -- JSON mark it read past; NULL: all
+        ALTER TABLE runs ADD COLUMN cursor_high VARCHAR;   -- JSON mark for the next run
+        """,
+    )
+)
+
 LATEST = MIGRATIONS[-1][0]
 
 

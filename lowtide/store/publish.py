@@ -87,18 +87,58 @@ def _chosen(job: str, run_id: str | None) -> str:
     return shown_run_sql(job)
 
 
+def merged_runs_sql(job: str, showing: str | None = None) -> str:
+    """The runs whose rows an incremental job's view merges (`[input] cursor_column`), oldest
+    first: every published run (`showing` counting as published; a run recorded as unchanged
+    stands for the run it points to) since the job's newest published completed run that read
+    every row (no mark: its first, or one that started over). Empty when the job's shown run did
+    not read with a cursor: such a job shows its one shown run."""
+    also = f" OR run_id = {literal(showing)}" if showing else ""
+    return f"""
+    WITH pub AS (
+        SELECT coalesce(unchanged_from, run_id) AS rows_run, started_at FROM runs
+        WHERE job = {literal(job)} AND (published_at IS NOT NULL{also})
+    ),
+    shown AS (
+        SELECT r.cursor_column FROM runs r
+        WHERE r.run_id = (SELECT rows_run FROM pub ORDER BY started_at DESC LIMIT 1)
+    ),
+    base AS (
+        SELECT max(pub.started_at) AS at FROM pub JOIN runs r ON r.run_id = pub.rows_run
+        WHERE r.cursor_column IS NOT NULL AND r.cursor_from IS NULL
+          AND r.status IN ('completed', 'held')  -- held: being published (it becomes completed)
+    )
+    SELECT pub.rows_run FROM pub, base
+    WHERE (SELECT cursor_column FROM shown) IS NOT NULL
+      AND pub.started_at >= coalesce(base.at, '-infinity'::TIMESTAMP)
+    GROUP BY pub.rows_run ORDER BY max(pub.started_at)
+    """
+
+
+def _merged(runs: list[str]) -> str:
+    values = ", ".join(f"({literal(r)}, {i})" for i, r in enumerate(runs))
+    return f"SELECT * FROM (VALUES {values}) AS m(run_id, rank)"
+
+
 def _properties(schema: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {k: (v if isinstance(v, dict) else {}) for k, v in schema.get("properties", {}).items()}
 
 
-def _unit_rows(job: str, schema: dict[str, Any], run_id: str | None) -> str:
-    """One row per unit of the chosen run: its chunk, its outcome, its typed answer."""
+def _unit_rows(
+    job: str, schema: dict[str, Any], run_id: str | None, merged: list[str] | None = None
+) -> str:
+    """One row per unit of the chosen run: its chunk, its outcome, its typed answer. With
+    `merged` (runs oldest first), each row's units come from the newest of them holding it."""
     outputs = "".join(
         f",\n           {_field_expr(name, spec)} AS {ident(name)}"
         for name, spec in _properties(schema).items()
     )
+    chosen = _merged(merged) if merged else _chosen(job, run_id)
+    newest = (
+        "QUALIFY chosen.rank = max(chosen.rank) OVER (PARTITION BY u.source_id)" if merged else ""
+    )
     return f"""
-    WITH chosen AS ({_chosen(job, run_id)})
+    WITH chosen AS ({chosen})
     SELECT u.source_id, u.chunk_index, u.n_chunks, u.run_id, r.outcome,
            coalesce(r.outcome IN {_ANSWERED}, false) AND u.custom_id <> '' AS answered,
            CASE WHEN u.custom_id = '' THEN 'empty_text: the row''s text is empty or only whitespace'
@@ -108,16 +148,23 @@ def _unit_rows(job: str, schema: dict[str, Any], run_id: str | None) -> str:
     FROM chosen
     JOIN units u ON u.run_id = chosen.run_id AND u.kind = 'row'
     LEFT JOIN results r ON r.custom_id = u.custom_id
+    {newest}
     """
 
 
 def chunk_rows_sql(
-    job: str, src_table: str, id_column: str, schema: dict[str, Any], run_id: str | None = None
+    job: str,
+    src_table: str,
+    id_column: str,
+    schema: dict[str, Any],
+    run_id: str | None = None,
+    merged: list[str] | None = None,
 ) -> str:
-    """One row per chunk of the run (default: the job's shown run): the chunk's own answer."""
+    """One row per chunk of the run (default: the job's shown run; with `merged`, each row from
+    the newest of those runs holding it): the chunk's own answer."""
     fields = "".join(f", c.{ident(name)}" for name in _properties(schema))
     return f"""
-WITH c AS ({_unit_rows(job, schema, run_id)})
+WITH c AS ({_unit_rows(job, schema, run_id, merged)})
 SELECT c.source_id AS {ident(id_column)}, s.* EXCLUDE (run_id, source_id),
        c.chunk_index, c.n_chunks,
        CASE WHEN c.answered THEN 'succeeded' ELSE 'failed' END AS status,
@@ -149,11 +196,13 @@ def job_rows_sql(
     schema: dict[str, Any],
     run_id: str | None = None,
     reduce: dict[str, str] | None = None,
+    merged: list[str] | None = None,
 ) -> str:
-    """One row per input row of the run (default: the job's shown run): source columns, each
-    output field reduced over the row's answered chunks by its rule (`[output] reduce`), the
-    row's status (succeeded only when every chunk was answered), its first failure and how many
-    of its chunks were answered."""
+    """One row per input row of the run (default: the job's shown run; with `merged`, each row
+    from the newest of those runs holding it): source columns, each output field reduced over
+    the row's answered chunks by its rule (`[output] reduce`), the row's status (succeeded only
+    when every chunk was answered), its first failure and how many of its chunks were
+    answered."""
     rules = {name: default_reduce(spec) for name, spec in _properties(schema).items()}
     rules.update(reduce or {})
     aggregates, joins, picks = [], [], []
@@ -174,7 +223,7 @@ def job_rows_sql(
     agg_sql = "".join(f",\n           {a}" for a in aggregates)
     pick_sql = "".join(f", {p}" for p in picks)
     return f"""
-WITH c AS ({_unit_rows(job, schema, run_id)}),
+WITH c AS ({_unit_rows(job, schema, run_id, merged)}),
 g AS (
     SELECT source_id, any_value(run_id) AS run_id, max(n_chunks) AS n_chunks,
            count(*) FILTER (WHERE answered) AS chunks_answered,
@@ -207,11 +256,13 @@ def job_view_sql(
     schema: dict[str, Any],
     reduce: dict[str, str] | None = None,
     run_id: str | None = None,
+    merged: list[str] | None = None,
 ) -> str:
-    """The job's views in the published file: one row per input row of its shown run, and
+    """The job's views in the published file: one row per input row of its shown run (of an
+    incremental job: of the `merged` runs, each row from the newest holding it), and
     `<view>_chunks` with one row per chunk."""
-    rows = job_rows_sql(job, src_table, id_column, schema, run_id, reduce)
-    chunks = chunk_rows_sql(job, src_table, id_column, schema, run_id)
+    rows = job_rows_sql(job, src_table, id_column, schema, run_id, reduce, merged)
+    chunks = chunk_rows_sql(job, src_table, id_column, schema, run_id, merged)
     return (
         f"CREATE OR REPLACE VIEW {ident(view)} AS {rows};\n"
         f"CREATE OR REPLACE VIEW {ident(view + '_chunks')} AS {chunks}"
@@ -280,6 +331,10 @@ class PublishingStore(RunsStore):
                 con.execute("DETACH pub")
         jobs = self.job_views()
         shown = {job["job"]: self._scalar(shown_run_sql(job["job"], showing)) for job in jobs}
+        merged = {
+            job["job"]: self._query(merged_runs_sql(job["job"], showing))["rows_run"].to_list()
+            for job in jobs
+        }
         pub = duckdb.connect(str(tmp))
         try:
             pub.execute(ROW_COSTS_VIEW)
@@ -299,6 +354,7 @@ class PublishingStore(RunsStore):
                         job["schema"],
                         job["reduce"],
                         shown[job["job"]],
+                        merged[job["job"]] or None,
                     )
                 )
             pub.execute("CHECKPOINT")
