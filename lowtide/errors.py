@@ -73,6 +73,11 @@ class SettingsError(UserError):
     """A `LOWTIDE_*` variable (or the CLI flag that overrides it) that cannot be used."""
 
 
+class PrefectServerError(UserError):
+    """Prefect's temporary server cannot start (a damaged database, a timeout): the message
+    says where its files are and what to do."""
+
+
 class JobFileError(UserError, ValueError):
     """A job file that cannot be used; the message names the file and what to fix."""
 

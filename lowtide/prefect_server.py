@@ -9,11 +9,16 @@ then find it already running (Prefect keeps one temporary server per process).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import signal
+import sqlite3
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
+
+from lowtide.errors import PrefectServerError
 
 _PR_SET_PDEATHSIG = 1
 
@@ -45,4 +50,39 @@ def start_tied_server() -> None:
             finally:
                 subprocess.Popen = popen  # type: ignore[misc]
 
-    TiedServer().start()
+    database = _default_database()
+    if database is not None:
+        _check_database(database)
+    try:
+        TiedServer().start()
+    except RuntimeError as e:  # Prefect's own: "Timed out while attempting to connect ..."
+        raise PrefectServerError(
+            f"Prefect's temporary server did not start: {' '.join(str(e).split())} Its files "
+            f"are in {database.parent if database else 'PREFECT_HOME'}; set PREFECT_API_URL to "
+            "a running server, or move a damaged prefect.db away"
+        ) from e
+
+
+def _default_database() -> Path | None:
+    """The SQLite file Prefect's temporary server will use (None for another database)."""
+    from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
+
+    url = str(PREFECT_API_DATABASE_CONNECTION_URL.value() or "")
+    if not url.startswith("sqlite") or ":///" not in url:
+        return None
+    return Path(url.split(":///", 1)[1])
+
+
+def _check_database(path: Path) -> None:
+    """A file that is not an SQLite database makes the server time out after minutes; say so
+    at once instead."""
+    if not path.is_file():
+        return
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as con:
+            con.execute("PRAGMA schema_version").fetchone()
+    except sqlite3.DatabaseError as e:
+        raise PrefectServerError(
+            f"{path}: Prefect's database cannot be read ({e}); move it away (Prefect makes a new "
+            "one, losing the run history it held) or set PREFECT_API_URL to a running server"
+        ) from e

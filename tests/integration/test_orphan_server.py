@@ -61,3 +61,20 @@ def test_a_killed_run_leaves_no_prefect_server(tmp_path: Path) -> None:
     for pid in left:  # do not leak it into the rest of the suite
         os.kill(pid, signal.SIGKILL)
     assert not left, f"Prefect server(s) {left} outlived the killed run"
+
+
+def test_a_damaged_prefect_database_is_one_line_at_once(tmp_path: Path) -> None:
+    """A prefect.db that is not a database made the temporary server time out after minutes and
+    print a traceback; it is named in one line before the server is started."""
+    home = tmp_path / "prefect-home"
+    home.mkdir()
+    (home / "prefect.db").write_bytes(os.urandom(50_000))
+    job = write_job(tmp_path, rows=5, eval_rows=2)
+    result = lowtide_cli(
+        "run", str(job), cwd=tmp_path, env={"PREFECT_API_URL": "", "PREFECT_HOME": str(home)}
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert str(home / "prefect.db") in lines[0] and "move it away" in lines[0]
+    assert not _servers_with_home(home)
