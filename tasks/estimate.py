@@ -39,7 +39,7 @@ from lowtide.store import Store
 from tasks.assemble import estimate_input_tokens, expected_output_tokens
 from tasks.chunk import job_units
 from tasks.dedupe import key_units, unique_requests
-from tasks.load import load_eval_set, load_input
+from tasks.load import load_eval_set, load_input, mark_value
 
 ESTIMATE_RUN_ID = "estimate"
 """Stands in for the run id in eval request keys: with `[qa] eval_every_run` they carry the run
@@ -94,12 +94,27 @@ def _cache(
     return joined, None if observed is None else float(observed)
 
 
+def _cursor_mark(job: JobSpec, settings: Settings) -> Any:
+    """With `[input] cursor_column`, the mark the next run reads past (None: every row), so a
+    quote prices what the run would read."""
+    column = job.input.cursor_column
+    if column is None or not settings.state.is_file():
+        return None
+    mark = Store(settings.state, settings.lock_timeout_s).cursor_mark(
+        job.name,
+        column=column,
+        backend=REGISTRY[job.model.backend].name,
+        job_fingerprint=job.prompt_fingerprint(),
+    )
+    return mark_value(mark)[1] if mark else None
+
+
 def estimate_job(job: JobSpec, settings: Settings, backend: str | None = None) -> dict[str, Any]:
     """The quote for running `job` (on `backend`, default `[model] backend`); see the module
     docstring for its fields. Raises what a run would raise for bad input (InputError, …)."""
     if backend and backend != job.model.backend:
         job = load_job(job.source_path, backend)
-    rows = load_input(job)
+    rows = load_input(job, _cursor_mark(job, settings))
     evals = load_eval_set(job)
     keyed = key_units(job, job_units(job, rows, evals), ESTIMATE_RUN_ID)
     uniq, observed = _cache(job, settings, unique_requests(keyed))

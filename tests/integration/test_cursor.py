@@ -14,7 +14,10 @@ import pytest
 from flows.enrich import enrich
 from lowtide.emulator import Emulator
 from lowtide.errors import InputError
+from lowtide.jobspec import load_job
+from lowtide.settings import Settings
 from lowtide.store import Store
+from tasks.estimate import estimate_job
 from tasks.load import Cursor, read_table
 from tests.conftest import SAMPLE_JOB
 from tests.integration.conftest import write_job
@@ -65,8 +68,10 @@ def test_each_night_reads_only_new_or_changed_rows_and_the_view_keeps_them_all(
     before = {r["message_id"]: r for r in _view(tmp_path)}
     assert len(before) == 10
 
-    # night 2: six rows appended past the mark; only they are read and asked
+    # night 2: six rows appended past the mark; only they are read and asked (and quoted)
     everything.write_csv(tmp_path / "messages.csv")
+    quote = estimate_job(load_job(job), Settings())
+    assert quote["rows"] == 6
     asked = _asked(emulator)
     second = enrich(job_file=str(job), emulator_url=emulator.base_url)
     assert second["status"] == "completed" and second["rows"] == 6
