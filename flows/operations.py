@@ -10,7 +10,13 @@ from typing import Any
 from prefect import flow
 
 from lowtide.backends import Connection, backend_entry
-from lowtide.errors import BackendError, JobFileError, PublishError, TerminalBackendError
+from lowtide.errors import (
+    BackendError,
+    JobFileError,
+    PublishError,
+    TerminalBackendError,
+    UserError,
+)
 from lowtide.jobspec import load_job
 from lowtide.settings import Settings
 from lowtide.store import Store
@@ -23,10 +29,17 @@ def cancel_run(settings: Settings, run_id: str) -> dict[str, Any]:
     dropped_unsent, already_ended}."""
     store = Store(settings.state, settings.lock_timeout_s)
     run = store.require_run(run_id)
+    entry = backend_entry(run["backend"])
+    if entry.shard_files:
+        # the shards run in a Kubernetes Job lowtide does not own; refuse before marking
+        # anything, so the run stays importable
+        raise UserError(
+            f"run {run_id} runs as `vllm run-batch` shards in a Job lowtide cannot stop: delete "
+            "the Job (kubectl delete job ...), then `lowtide shards import` keeps what finished"
+        )
     store.mark_cancelling(run_id)
     dropped = store.cancel_unsent_batches(run_id)
     live = store.live_provider_batches(run_id)
-    entry = backend_entry(run["backend"])
     ended = 0
     if live.height and entry.mode == "batch":
         try:

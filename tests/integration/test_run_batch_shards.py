@@ -61,6 +61,10 @@ def test_run_batch_shards_out_and_back_with_one_crashed_shard(tmp_path: Path) ->
     run_id = scalar(state, "SELECT run_id FROM runs")
     assert scalar(state, "SELECT status FROM runs") == "submitted"
     planned = query(state, "SELECT custom_id FROM requests")["custom_id"].to_list()
+    # lowtide cannot stop a Job it does not own: cancel refuses and leaves the run importable
+    refused = lowtide_cli("cancel", run_id, cwd=tmp_path)
+    assert refused.returncode == 2 and "delete the Job" in refused.stderr, refused.stderr
+    assert scalar(state, "SELECT status FROM runs") == "submitted"
 
     first = tmp_path / "round-1"
     _ok(lowtide_cli("shards", "export", run_id, "--dir", str(first), "--shards", "3", cwd=tmp_path))
