@@ -7,6 +7,10 @@ never get an answer, so clients see connection errors rather than HTTP statuses.
 server's own event loop and connection set, which `lowtide.emulator.server.run_in_thread`
 (a graceful stop only) does not expose, hence the small runner here; it shares that module's
 TCP_NODELAY protocol and keep-alive setting.
+
+`EnginePool.restart(i)` brings a stopped server back on the same port, as a restarted process
+(or pod) would come back: a new engine with an empty queue and a cold prefix cache, serving the
+same names with the same key and recording into the same ledger.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 
 import uvicorn
@@ -101,11 +105,17 @@ class EnginePool:
     """Running emulated vLLM servers. `urls[i]` is server i's OpenAI base URL (ending in /v1);
     `apps[i].state.engine` is its engine. Use as a context manager or call `close()`."""
 
-    def __init__(self, servers: list[_ThreadedServer], urls: list[str]) -> None:
+    def __init__(
+        self,
+        servers: list[_ThreadedServer],
+        urls: list[str],
+        make_app: Callable[[], FastAPI] | None = None,
+    ) -> None:
         self._servers = servers
         self.urls = urls
         self.apps = [s.app for s in servers]
         self._stopped = [False] * len(servers)
+        self._make_app = make_app
 
     @property
     def engines(self) -> list[Engine]:
@@ -124,6 +134,21 @@ class EnginePool:
             return
         self._stopped[i] = True
         self._servers[i].kill(self.apps[i].state.engine)
+
+    def restart(self, i: int) -> None:
+        """Start server i again after `stop(i)`, on the same port, as a restarted process: a
+        new engine (`engines[i]` is then the new one; the old one's counters stay with it)."""
+        if not self._stopped[i]:
+            raise RuntimeError(f"engine {i} is running; stop({i}) it before restart({i})")
+        if self._make_app is None:
+            raise RuntimeError("this pool was not built by start_engines; it cannot restart")
+        old = self._servers[i]
+        port = int(self.urls[i].removesuffix("/v1").rsplit(":", 1)[1])
+        server = _ThreadedServer(self._make_app(), old.host, port)
+        server.start()
+        self._servers[i] = server
+        self.apps[i] = server.app
+        self._stopped[i] = False
 
     def close(self) -> None:
         """Shut every server down (gracefully for those still running)."""
@@ -167,15 +192,18 @@ def start_engines(
         raise ValueError(f"start_engines got {len(ports)} ports for {n} engines")
     servers: list[_ThreadedServer] = []
     urls: list[str] = []
+
+    def make_app() -> FastAPI:
+        return create_vllm_app(
+            config or EngineConfig(),
+            served_model_name=served_model_name,
+            ledger=ledger,
+            api_key=api_key,
+        )
+
     try:
         for i in range(n):
-            app = create_vllm_app(
-                config or EngineConfig(),
-                served_model_name=served_model_name,
-                ledger=ledger,
-                api_key=api_key,
-            )
-            server = _ThreadedServer(app, host, ports[i] if ports else 0)
+            server = _ThreadedServer(make_app(), host, ports[i] if ports else 0)
             servers.append(server)
             port = server.start()
             urls.append(f"http://{host}:{port}/v1")
@@ -183,4 +211,4 @@ def start_engines(
         for server in servers:
             server.close()
         raise
-    return EnginePool(servers, urls)
+    return EnginePool(servers, urls, make_app)
