@@ -29,6 +29,13 @@ class _OneLineErrors(TyperGroup):
             return super().invoke(ctx)
         except LowtideError as e:
             raise typer.Exit(render.error(e)) from e
+        except KeyboardInterrupt:  # Ctrl-C: one line, and the way back in (not click's Abort)
+            render.error_line(
+                "interrupted. A run is resumable: the same command continues it and sends "
+                "nothing a provider already accepted (`lowtide status` shows where it stands).",
+                label="stopped:",
+            )
+            raise typer.Exit(130) from None
         except UsageError as e:  # a subcommand's bad flag: one line too, not a box
             path = e.ctx.command_path if e.ctx is not None else "lowtide"
             hint = f" (see {path} --help)"

@@ -42,7 +42,10 @@ def start_tied_server() -> None:
             popen: Any = subprocess.Popen
 
             def tied(*args: Any, **kwargs: Any) -> Any:
-                return popen(*args, preexec_fn=_die_with_parent, **kwargs)
+                # its own session: a Ctrl-C at the terminal goes to lowtide, which stops the
+                # run cleanly, not to the server it still needs for that (measured: the
+                # server died first and the run hung on its dead API)
+                return popen(*args, preexec_fn=_die_with_parent, start_new_session=True, **kwargs)
 
             subprocess.Popen = tied  # type: ignore[misc, assignment]
             try:
