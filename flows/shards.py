@@ -51,7 +51,7 @@ from lowtide.lease import driving
 from lowtide.settings import Settings
 from lowtide.store.shards import ShardStore
 from lowtide.vocabulary import ANSWERED, RESUMABLE_RUN, RunStatus
-from tasks.assemble import expected_output_tokens
+from tasks.assemble import BATCH_ROW_SCHEMA, expected_output_tokens
 from tasks.parse import parse_results, store_parsed
 
 
@@ -230,16 +230,7 @@ def export_shards(
 
 
 _SHARD_ROWS = pl.DataFrame(
-    schema={
-        "batch_id": pl.String,
-        "shard": pl.Int32,
-        "attempt": pl.Int32,
-        "backend": pl.String,
-        "n_requests": pl.Int32,
-        "n_bytes": pl.Int64,
-        "input_file_id": pl.String,
-        "output_file_id": pl.String,
-    }
+    schema={**BATCH_ROW_SCHEMA, "input_file_id": pl.String, "output_file_id": pl.String}
 )
 _MEMBER_ROWS = pl.DataFrame(schema={"batch_id": pl.String, "custom_id": pl.String})
 

@@ -142,8 +142,14 @@ def _table_row(
 def _every_row_accounted_for(summary: dict[str, Any]) -> None:
     """The run's rows in the state file: ROWS distinct input rows, rows = succeeded + failed,
     and every failed row with a reason."""
+    rows, failed_without_reason = _row_counts(summary["run_id"])
+    assert rows == ROWS == summary["succeeded"] + summary["failed"]
+    assert failed_without_reason == 0
+
+
+def _row_counts(run_id: str) -> tuple[int, int]:
+    """(distinct input rows of the run, failed rows without a reason) from the state file."""
     store = Store(os.environ["LOWTIDE_STATE"])
-    run_id = summary["run_id"]
     rows = query(
         store,
         "SELECT count(DISTINCT source_id) AS n FROM units WHERE run_id = ? AND kind = 'row'",
@@ -155,8 +161,7 @@ def _every_row_accounted_for(summary: dict[str, Any]) -> None:
         "AND (reason IS NULL OR reason = '')",
         [run_id],
     )["n"][0]
-    assert rows == ROWS == summary["succeeded"] + summary["failed"]
-    assert failed_without_reason == 0
+    return rows, failed_without_reason
 
 
 def _published(path: str | Path) -> tuple[int, int, list[str]]:
@@ -190,17 +195,7 @@ def test_a_fault_ends_with_every_row_accounted_for_and_nothing_paid_twice(
     paid_twice = sum(n - 1 for n in executed.values() if n > 1)
     store = Store(os.environ["LOWTIDE_STATE"])
     run_id = summary["run_id"]
-    rows = query(
-        store,
-        "SELECT count(DISTINCT source_id) AS n FROM units WHERE run_id = ? AND kind = 'row'",
-        [run_id],
-    )["n"][0]
-    failed_without_reason = query(
-        store,
-        "SELECT count(*) AS n FROM failures WHERE run_id = ? AND kind = 'row' "
-        "AND (reason IS NULL OR reason = '')",
-        [run_id],
-    )["n"][0]
+    rows, failed_without_reason = _row_counts(run_id)
     rows_lost = ROWS - (summary["succeeded"] + summary["failed"])
     batches = store.run_batches(run_id)
     assert rows == ROWS and rows_lost == 0
