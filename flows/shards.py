@@ -44,7 +44,6 @@ from lowtide.backends.vllm_pool.run_batch import (
     request_work,
 )
 from lowtide.context import RunContext, run_context
-from lowtide.crashpoints import crash_point
 from lowtide.errors import UserError
 from lowtide.jobspec import load_job
 from lowtide.lease import driving
@@ -297,7 +296,6 @@ def _write(store: ShardStore, shards: pl.DataFrame) -> None:
     for shard in shards.iter_rows(named=True):
         write_shard(shard["input_file_id"], store.batch_lines(shard["batch_id"]))
         store.record_shard_written(shard["batch_id"], provider_id(shard["input_file_id"]))
-        crash_point("mid_shard_export")  # one shard written and recorded, maybe not the rest
 
 
 def export_run(settings: Settings, run_id: str, directory: str, **options: Any) -> dict[str, Any]:
