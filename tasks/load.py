@@ -111,15 +111,19 @@ def _check_cursor(schema: pl.Schema, cursor: Cursor, where: str) -> pl.Expr:
     return (col > pl.lit(cursor.after, dtype=dtype)) | col.is_null()
 
 
+def _csv_options(p: Path, text_columns: tuple[str, ...]) -> dict[str, Any]:
+    """How a CSV is read, eagerly or as a scan: ISO dates typed, ids and text kept as written."""
+    header = pl.read_csv(p, n_rows=0).columns
+    return {
+        "infer_schema_length": 10_000,
+        "try_parse_dates": True,
+        "schema_overrides": {c: pl.String for c in text_columns if c in header},
+    }
+
+
 def _scan(p: Path, suffix: str, text_columns: tuple[str, ...]) -> pl.LazyFrame | None:
     if suffix == ".csv":
-        header = pl.read_csv(p, n_rows=0).columns
-        return pl.scan_csv(
-            p,
-            infer_schema_length=10_000,
-            try_parse_dates=True,
-            schema_overrides={c: pl.String for c in text_columns if c in header},
-        )
+        return pl.scan_csv(p, **_csv_options(p, text_columns))
     if suffix == ".parquet":
         return pl.scan_parquet(p)
     if suffix in (".jsonl", ".ndjson"):
@@ -156,13 +160,7 @@ def read_table(
             if scan is not None:
                 return scan.filter(_check_cursor(scan.collect_schema(), cursor, path)).collect()
         if suffix == ".csv":
-            header = pl.read_csv(p, n_rows=0).columns
-            return pl.read_csv(
-                p,
-                infer_schema_length=10_000,
-                try_parse_dates=True,
-                schema_overrides={c: pl.String for c in text_columns if c in header},
-            )
+            return pl.read_csv(p, **_csv_options(p, text_columns))
         if suffix == ".parquet":
             return pl.read_parquet(p)
         if suffix in (".jsonl", ".ndjson"):
