@@ -15,6 +15,7 @@ from typing import Any
 from prefect import flow
 
 from flows.enrich import advance, finish, run_summary
+from flows.route import collect_route_step
 from flows.shards import import_shards, pending_requests
 from lowtide import artifacts
 from lowtide.context import run_context
@@ -69,6 +70,9 @@ def collect(
 
 
 def _collect_one(run: dict[str, Any], settings: Settings, emulator_url: str | None) -> dict:
+    if run["route_step"] is not None and run["switched_at"] is None:
+        # the current step of a route: its time may be up (then the next step opens)
+        return collect_route_step(settings, run, emulator_url)
     job = load_job(run["job_file"], run["backend"])
     with run_context(settings, job, emulator_url) as ctx, driving(ctx.store, run["run_id"]):
         shards = import_shards(ctx, run["run_id"]) if ctx.entry.shard_files else None

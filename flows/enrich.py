@@ -28,6 +28,7 @@ from lowtide.input_identity import input_digest, input_fingerprint, spec_digest
 from lowtide.jobspec import load_job
 from lowtide.lease import driving
 from lowtide.nightly import new_run_id, unchanged_summary
+from lowtide.routing import is_due
 from lowtide.runlog import stage_log
 from lowtide.settings import Settings
 from lowtide.vocabulary import RunStatus
@@ -66,6 +67,10 @@ def enrich(
     job content and input, so a rerun after a crash sends nothing already accepted."""
     settings = Settings().with_overrides(state=state, db=db)
     job = load_job(job_file, backend)
+    if job.route is not None and backend is None:
+        from flows.route import enrich_route  # route builds on this module's phases
+
+        return enrich_route(settings, job, emulator_url, wait)
     unchanged = unchanged_summary(settings, job)
     if unchanged is not None:
         stage_log(
@@ -84,7 +89,7 @@ def enrich(
                 if advance(ctx, run_id, wait and not ctx.entry.shard_files):
                     finish(ctx, run_id)
             except Exception as e:
-                _record_failure(ctx, run_id, e)
+                record_failure(ctx, run_id, e)
                 raise
             summary = run_summary(ctx, run_id)
             if RunStatus(summary["status"]).finished:
@@ -113,14 +118,15 @@ def prepare(ctx: RunContext, run_id: str) -> None:
     ctx.store.record_estimate(run_id, plan["estimate_usd"])
 
 
-def advance(ctx: RunContext, run_id: str, wait: bool) -> bool:
+def advance(ctx: RunContext, run_id: str, wait: bool, until: datetime | None = None) -> bool:
     """submit → poll → join → parse → retry round, until every request has its final outcome
-    (True) or, with wait=False, until what is left is in flight at the provider (False)."""
+    (True) or, with wait=False, until what is left is in flight at the provider (False). With
+    `until` (a route step's end) it also stops there (False): no round starts past it."""
     while True:
         send_pending(ctx, run_id)
-        ended = poll_task(ctx, run_id, wait)
+        ended = poll_task(ctx, run_id, wait, until)
         collect_ended(ctx, run_id)
-        if not ended:
+        if not ended or is_due(until):
             return False
         if not retry_round_task(ctx, run_id):
             return True
@@ -146,6 +152,7 @@ def finish(ctx: RunContext, run_id: str) -> None:
         realtime_cost_usd=cost["realtime_cost_usd"],
         naive_cost_usd=cost["naive_cost_usd"],
     )
+    ctx.store.record_paid_twice(run_id)  # a route's step: what switching engines cost
     progress.report("publish")
     publish_task(ctx, run_id)
     if not ctx.keep_work_dir:
@@ -190,8 +197,15 @@ def collect_ended(ctx: RunContext, run_id: str) -> None:
 def open_run(ctx: RunContext) -> str:
     """The unfinished run of this job content and input on this backend to resume, or a new
     run (decided in one transaction, so two runs started together share one)."""
-    job, store = ctx.job, ctx.store
-    store.save_job(
+    job = ctx.job
+    save_job(ctx)
+    return ctx.store.open_or_resume_run(**run_fields(ctx, new_run_id(job.name)))
+
+
+def save_job(ctx: RunContext) -> None:
+    """The job's view name, id column, schema and reduce rules, for publishing."""
+    job = ctx.job
+    ctx.store.save_job(
         job.name,
         job.view_name,
         job.input.id_column,
@@ -199,25 +213,34 @@ def open_run(ctx: RunContext) -> str:
         job.source_path,
         job.reduce_rules(),
     )
-    return store.open_or_resume_run(
-        run_id=new_run_id(job.name),
-        job=job.name,
-        job_fingerprint=job.prompt_fingerprint(),
-        job_file=job.source_path,
-        backend=ctx.backend,
-        model=job.model.name,
-        input_fingerprint=input_fingerprint(job),
-        input_digest=input_digest(job),
-        spec_digest=spec_digest(job),
-    )
+
+
+def run_fields(ctx: RunContext, run_id: str) -> dict[str, str | None]:
+    """What a new run records about its job, backend and input."""
+    job = ctx.job
+    return {
+        "run_id": run_id,
+        "job": job.name,
+        "job_fingerprint": job.prompt_fingerprint(),
+        "job_file": job.source_path,
+        "backend": ctx.backend,
+        "model": job.model.name,
+        "input_fingerprint": input_fingerprint(job),
+        "input_digest": input_digest(job),
+        "spec_digest": spec_digest(job),
+    }
 
 
 def run_summary(ctx: RunContext, run_id: str) -> dict[str, Any]:
-    """The run's summary with where its files are."""
-    return {**ctx.store.run_summary(run_id), "db": ctx.db_path, "state": ctx.state_path}
+    """The run's summary with where its files are (and, for a route's step, the route)."""
+    summary = {**ctx.store.run_summary(run_id), "db": ctx.db_path, "state": ctx.state_path}
+    route = ctx.store.route_summary(run_id)
+    if route is not None:
+        summary["route"] = route
+    return summary
 
 
-def _record_failure(ctx: RunContext, run_id: str, error: Exception) -> None:
+def record_failure(ctx: RunContext, run_id: str, error: Exception) -> None:
     """Before the manifest exists nothing was sent, so the run ends failed; after, it stays
     resumable and keeps the error."""
     if ctx.store.has_manifest(run_id):

@@ -10,6 +10,7 @@ from typing import Any
 from prefect import flow
 
 from lowtide.backends import Connection, backend_entry
+from lowtide.backends.base import Backend
 from lowtide.errors import (
     BackendError,
     JobFileError,
@@ -47,15 +48,7 @@ def cancel_run(settings: Settings, run_id: str) -> dict[str, Any]:
                 emulator_url=settings.emulator_url, api_key_block=_key_block(run)
             )
             backend = entry.batch_client(connection)
-            for provider_batch_id in live["provider_batch_id"]:
-                try:
-                    backend.cancel(provider_batch_id)
-                except TerminalBackendError:
-                    # refused because it ended meanwhile (completed, expired): nothing to
-                    # cancel, and its answers are kept like any finished work
-                    if not backend.poll(provider_batch_id).status.terminal:
-                        raise
-                    ended += 1
+            ended = cancel_provider_batches(backend, live["provider_batch_id"].to_list())
         except BackendError as e:
             raise type(e)(
                 f"{e} (the run is marked cancelling; run `lowtide cancel` again)",
@@ -68,6 +61,21 @@ def cancel_run(settings: Settings, run_id: str) -> dict[str, Any]:
         "dropped_unsent": dropped,
         "already_ended": ended,
     }
+
+
+def cancel_provider_batches(backend: Backend, provider_batch_ids: list[str]) -> int:
+    """Ask the provider to cancel each batch; returns how many had already ended (their
+    answers are kept like any finished work)."""
+    ended = 0
+    for provider_batch_id in provider_batch_ids:
+        try:
+            backend.cancel(provider_batch_id)
+        except TerminalBackendError:
+            # refused because it ended meanwhile (completed, expired): nothing to cancel
+            if not backend.poll(provider_batch_id).status.terminal:
+                raise
+            ended += 1
+    return ended
 
 
 def _key_block(run: dict[str, Any]) -> str | None:

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from lowtide.backends import REGISTRY
 from lowtide.errors import JobFileError
 from lowtide.output_fields import RULE_NEEDS, ReduceRule, default_reduce, json_type
+from lowtide.routing import RouteSpec
 
 _JOB_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
 
@@ -35,7 +36,7 @@ COLUMN_TYPES = ("string", "integer", "number", "boolean", "date", "timestamp")
 
 VIEW_COLUMNS = frozenset(
     {"run_id", "source_id", "status", "failure_reason", "n_chunks", "chunks_answered"}
-    | {"chunk_index", "outcome"}
+    | {"chunk_index", "outcome", "answered_by"}
 )
 """Columns lowtide adds to the job view and `<view>_chunks`: no input column or output field
 may take these names (it would shadow them, and `WHERE status = 'succeeded'` would lie)."""
@@ -265,9 +266,12 @@ class JobSpec(_Strict):
     cost: CostSpec = Field(default_factory=CostSpec)
     pool: PoolSpec = Field(default_factory=PoolSpec)
     retry: RetrySpec = Field(default_factory=RetrySpec)
+    route: RouteSpec | None = None
 
     # filled by load_job, not by the file
     source_path: str = ""
+    route_models: dict[str, str] = Field(default_factory=dict)
+    """The model id each engine of `[route]` runs (`[model] names`, else `[model] name`)."""
     output_schema: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("name")
@@ -422,6 +426,10 @@ def load_job(path: str | Path, backend: str | None = None) -> JobSpec:
     job.source_path = str(path.resolve())
     if backend:
         job.model.backend = backend
+    elif job.route is not None:
+        job.model.backend = job.route.engines[0]  # a route starts on its first engine
+    if job.route is not None:
+        job.route_models = {e: job.model.names.get(e, job.model.name) for e in job.route.engines}
     job.model.name = job.model.names.get(job.model.backend, job.model.name)
     if job.model.backend not in REGISTRY:
         raise JobFileError(

@@ -22,6 +22,7 @@ from lowtide.context import RunContext
 from lowtide.crashpoints import crash_point
 from lowtide.jobspec import JobSpec
 from lowtide.runlog import stage_log
+from lowtide.store import Store
 from lowtide.store.compute import sha256_hex
 from tasks.load import PRIORITY
 
@@ -119,14 +120,60 @@ def key_units(job: JobSpec, units: pl.DataFrame, run_id: str) -> pl.DataFrame:
     )
 
 
+def route_fingerprints(job: JobSpec) -> list[str]:
+    """`fingerprint@family` of every other engine of the job's `[route]`, in route order: the
+    keys under which another step of the route may already hold a unit's answer."""
+    if job.route is None:
+        return []
+    out = []
+    for engine in job.route.engines:
+        if engine == job.model.backend:
+            continue
+        other = job.model_copy(deep=True)
+        other.model.backend, other.model.name = engine, job.route_models[engine]
+        out.append(f"{other.prompt_fingerprint()}@{answer_family(other)}")
+    return out
+
+
+def carry_route_answers(store: Store, job: JobSpec, keyed: pl.DataFrame) -> pl.DataFrame:
+    """A route step's row units that another engine of the route answered take that answer's
+    key: they count as cache hits and are not asked again. The step's own answers come first,
+    then the route's engines in order."""
+    rows = (pl.col("kind") == "row") & (pl.col("custom_id") != "")
+    for fingerprint in route_fingerprints(job):
+        own = store.known_outcomes(keyed.filter(rows)["custom_id"].unique())
+        unanswered = own.filter(~pl.col("answered"))["custom_id"]
+        todo = keyed.filter(rows & pl.col("custom_id").is_in(unanswered.implode()))
+        if todo.height == 0:
+            break
+        alt = request_keys(
+            todo.drop("user", "request_key", "custom_id"), job.prompt.user_template, fingerprint
+        ).select(
+            "unit_id", "kind", pl.col("request_key").alias("_key"), pl.col("custom_id").alias("_id")
+        )
+        found = store.known_outcomes(alt["_id"].unique()).filter(pl.col("answered"))
+        alt = alt.filter(pl.col("_id").is_in(found["custom_id"].implode()))
+        keyed = (
+            keyed.join(alt, on=["unit_id", "kind"], how="left")
+            .with_columns(
+                pl.coalesce("_key", "request_key").alias("request_key"),
+                pl.coalesce("_id", "custom_id").alias("custom_id"),
+            )
+            .drop("_key", "_id")
+        )
+    return keyed
+
+
 @task(name="dedupe", task_run_name="dedupe-{run_id}")
 def dedupe_task(ctx: RunContext, run_id: str, chunked: dict) -> dict:
     """Units → unique requests; saves the run's units and writes what is left to send."""
     started = time.perf_counter()
     job = ctx.job
     keyed = key_units(job, pl.read_parquet(chunked["units"]), run_id)
-    uniq = unique_requests(keyed)
     store = ctx.store
+    if store.require_run(run_id)["route_step"] is not None:
+        keyed = carry_route_answers(store, job, keyed)
+    uniq = unique_requests(keyed)
     known = store.known_outcomes(uniq["custom_id"])
     uniq = uniq.join(known, on="custom_id", how="left")
     cached = uniq.filter(pl.col("answered"))

@@ -7,6 +7,7 @@ scheduled `collect` picks up from the stored provider ids.
 from __future__ import annotations
 
 import time
+from datetime import datetime
 
 from prefect import task
 
@@ -15,6 +16,7 @@ from lowtide.backends.base import Backend, BatchStatus
 from lowtide.context import RunContext
 from lowtide.crashpoints import crash_point
 from lowtide.lease import LEASE_S, process_owner
+from lowtide.routing import is_due, seconds_left
 from lowtide.runlog import stage_log
 from lowtide.store import Store
 from lowtide.vocabulary import REALTIME_BACKEND
@@ -65,8 +67,11 @@ def poll_once(store: Store, backend: Backend | None, run_id: str) -> tuple[int, 
     retry_delay_seconds=[2, 4, 8],
     retry_condition_fn=retry_transient,
 )
-def poll_task(ctx: RunContext, run_id: str, wait: bool = True) -> bool:
-    """Poll until every batch of the run ended (wait=True) or once; True when all ended."""
+def poll_task(
+    ctx: RunContext, run_id: str, wait: bool = True, until: datetime | None = None
+) -> bool:
+    """Poll until every batch of the run ended (wait=True) or once; True when all ended. A
+    waiting poll also stops at `until` (a route step's end, watched between polls)."""
     store = ctx.store
     backend = ctx.batch_client() if ctx.entry.mode == "batch" else None
     interval = 0.2
@@ -76,7 +81,7 @@ def poll_task(ctx: RunContext, run_id: str, wait: bool = True) -> bool:
         store.claim_run(run_id, process_owner(), LEASE_S)  # still driving: renew the lease
         terminal, total = poll_once(store, backend, run_id)
         polls += 1
-        if terminal == total or not wait:
+        if terminal == total or not wait or is_due(until):
             stage_log(
                 "poll",
                 "%d of %d batches ended after %d poll(s), %.1f s",
@@ -87,5 +92,6 @@ def poll_task(ctx: RunContext, run_id: str, wait: bool = True) -> bool:
             )
             return terminal == total
         crash_point("during_poll")
-        time.sleep(interval)
+        left = seconds_left(until)
+        time.sleep(interval if left is None else min(interval, left))
         interval = min(interval * 1.5, ctx.poll_max_interval_s)

@@ -9,7 +9,8 @@
 - `reports`: read models for status, summaries, reports and exports;
 - `history`: a job's runs over time, for the charts of `lowtide report`;
 - `unchanged`: the night nothing changed, recorded from the run the view already shows;
-- `cursor`: where an incremental job's next run starts reading (`[input] cursor_column`).
+- `cursor`: where an incremental job's next run starts reading (`[input] cursor_column`);
+- `route`: a `[route]`'s steps, the switch between engines and what it cost (`paid_twice`).
 
 Connections and quoting are private (`_db`, `_sql`); `compute` is SQL used as a calculator
 (hashes, reading an input table) that touches no state. Nothing outside this package writes SQL.
@@ -22,11 +23,20 @@ from lowtide.store.history import HistoryStore, JobHistory
 from lowtide.store.manifest import ManifestStore
 from lowtide.store.reports import EXPORT_FORMATS, ReportsStore
 from lowtide.store.results import ResultsStore
+from lowtide.store.route import RouteStore
 from lowtide.store.runs import now
 from lowtide.store.unchanged import UnchangedStore
 
 
-class Store(ReportsStore, ManifestStore, ResultsStore, HistoryStore, UnchangedStore, CursorStore):
+class Store(
+    ReportsStore,
+    ManifestStore,
+    ResultsStore,
+    HistoryStore,
+    UnchangedStore,
+    CursorStore,
+    RouteStore,
+):
     """The state file. Each public method is one short transaction, named for its purpose."""
 
 

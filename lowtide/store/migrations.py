@@ -282,6 +282,19 @@ MIGRATIONS.append(
     )
 )
 
+MIGRATIONS.append(
+    (
+        11,
+        "a [route] runs one step per engine; a step whose time is up is switched away from",
+        """
+        ALTER TABLE runs ADD COLUMN route_id VARCHAR;        -- the route's first step's run id
+        ALTER TABLE runs ADD COLUMN route_step INTEGER;      -- 0 for the first engine
+        ALTER TABLE runs ADD COLUMN step_ends_at TIMESTAMP;  -- when the step gives way; NULL: last
+        ALTER TABLE runs ADD COLUMN switched_at TIMESTAMP;   -- when its remainder went on
+        """,
+    )
+)
+
 LATEST = MIGRATIONS[-1][0]
 
 

@@ -144,10 +144,12 @@ def _unit_rows(
            CASE WHEN u.custom_id = '' THEN 'empty_text: the row''s text is empty or only whitespace'
                 WHEN r.outcome IN {_ANSWERED} THEN NULL
                 ELSE coalesce(r.outcome || ': ' || r.error, r.outcome, 'no answer') END
-               AS failure_reason{outputs}
+               AS failure_reason,
+           CASE WHEN r.outcome IN {_ANSWERED} THEN ar.backend END AS answered_by{outputs}
     FROM chosen
     JOIN units u ON u.run_id = chosen.run_id AND u.kind = 'row'
     LEFT JOIN results r ON r.custom_id = u.custom_id
+    LEFT JOIN runs ar ON ar.run_id = r.run_id  -- the backend whose run asked (a route's step)
     {newest}
     """
 
@@ -168,7 +170,7 @@ WITH c AS ({_unit_rows(job, schema, run_id, merged)})
 SELECT c.source_id AS {ident(id_column)}, s.* EXCLUDE (run_id, source_id),
        c.chunk_index, c.n_chunks,
        CASE WHEN c.answered THEN 'succeeded' ELSE 'failed' END AS status,
-       c.outcome{fields}, c.failure_reason, c.run_id
+       c.outcome{fields}, c.failure_reason, c.answered_by, c.run_id
 FROM c JOIN {ident(src_table)} s ON s.run_id = c.run_id AND s.source_id = c.source_id
 ORDER BY c.source_id, c.chunk_index
 """
@@ -230,7 +232,8 @@ g AS (
            coalesce(arg_min(outcome, chunk_index) FILTER (WHERE NOT answered),
                     arg_min(outcome, chunk_index)) AS outcome,
            arg_min(failure_reason, chunk_index) FILTER (WHERE NOT answered) AS first_failure,
-           min(chunk_index) FILTER (WHERE NOT answered) AS first_failed_chunk{agg_sql}
+           min(chunk_index) FILTER (WHERE NOT answered) AS first_failed_chunk,
+           string_agg(DISTINCT answered_by, ',' ORDER BY answered_by) AS answered_by{agg_sql}
     FROM c GROUP BY source_id
 )
 SELECT g.source_id AS {ident(id_column)}, s.* EXCLUDE (run_id, source_id),
@@ -241,7 +244,7 @@ SELECT g.source_id AS {ident(id_column)}, s.* EXCLUDE (run_id, source_id),
             ELSE g.first_failure || ' (chunk ' || (g.first_failed_chunk + 1) || ' of '
                  || g.n_chunks || '; ' || g.chunks_answered || ' answered)' END
            AS failure_reason,
-       g.chunks_answered, g.n_chunks, g.run_id
+       g.chunks_answered, g.n_chunks, g.answered_by, g.run_id
 FROM g JOIN {ident(src_table)} s ON s.run_id = g.run_id AND s.source_id = g.source_id
 {chr(10).join(joins)}
 ORDER BY g.source_id

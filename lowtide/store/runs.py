@@ -148,7 +148,9 @@ class RunsStore(Database):
     def in_flight_runs(self) -> list[dict[str, Any]]:
         """Runs that have batches and are not finished: what `collect` drives, oldest first."""
         return self._query(
-            "SELECT run_id, job_file, backend FROM runs WHERE list_contains(?, status) "
+            "SELECT run_id, job_file, backend, route_id, route_step, switched_at, "
+            "(SELECT f.started_at FROM runs f WHERE f.run_id = r.route_id) AS route_started "
+            "FROM runs r WHERE list_contains(?, status) "
             "AND run_id IN (SELECT run_id FROM batches) ORDER BY started_at",
             [sql_list(IN_FLIGHT_RUN)],
         ).to_dicts()
