@@ -342,6 +342,10 @@ STATUS_FIELDS = (
     "error",
     "gate_note",
     "unchanged_from",
+    "route_id",  # a [route]'s step: its first step's run, its place, when it ends or switched
+    "route_step",
+    "step_ends_at",
+    "switched_at",
 )
 
 

@@ -199,6 +199,21 @@ def estimate(q: dict[str, Any]) -> None:
         else:
             b.add_row(name, "(GPU time)", f"{cost:.4f}", "")
     console.print(b)
+    route = q.get("route")
+    if route:
+        r = Table("step", "engine", "model", "batch $", title=escape("the route ([route] engines)"))
+        for i, step in enumerate(route["steps"]):
+            usd = "no price" if step["usd"] is None else f"{step['usd']:.4f}"
+            r.add_row(str(i), step["engine"], step["model"], usd)
+        console.print(r)
+        best, worst = route["best_usd"], route["worst_usd"]
+        console.print(
+            f"route: ${best:.4f} if the first engine answers every row, up to ${worst:.4f} "
+            "if the dearest one does (answers paid twice while switching come on top)"
+            if best is not None and worst is not None
+            else "route: not every engine has a price",
+            soft_wrap=True,
+        )
     for name, why in q.get("skipped", {}).items():
         console.print(f"not priced: {escape(name)}: {escape(why)}", soft_wrap=True)
     for note in q.get("assumptions", []):

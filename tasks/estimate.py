@@ -20,7 +20,11 @@ The quote (`estimate_job`) is a plain dict; `lowtide estimate --json` prints it 
 - `by_backend`: backend name → `{"model", "batch_usd", "realtime_usd"}` for token-priced
   backends (the price table row of the model that backend would run), or a number (USD) for a
   GPU-hour priced pool; backends that cannot be priced are in `skipped` (name → why);
-- `assumptions`: the figures taken on trust (e.g. the pool's tokens/s), as sentences.
+- `assumptions`: the figures taken on trust (e.g. the pool's tokens/s), as sentences;
+- `route` (a job with `[route]`, quoted without `--backend`): `steps` (engine, model, `usd` for
+  everything left to send on that engine), `best_usd` (the first engine answers all),
+  `worst_usd` (the dearest engine of the route answers all) and `unpriced` engines. Rows another
+  engine of the route already answered count as cache hits, as in the run.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from lowtide.settings import Settings
 from lowtide.store import Store
 from tasks.assemble import estimate_input_tokens, expected_output_tokens
 from tasks.chunk import job_units
-from tasks.dedupe import key_units, unique_requests
+from tasks.dedupe import carry_route_answers, key_units, unique_requests
 from tasks.load import load_eval_set, load_input, mark_value
 
 ESTIMATE_RUN_ID = "estimate"
@@ -117,6 +121,9 @@ def estimate_job(job: JobSpec, settings: Settings, backend: str | None = None) -
     rows = load_input(job, _cursor_mark(job, settings))
     evals = load_eval_set(job)
     keyed = key_units(job, job_units(job, rows, evals), ESTIMATE_RUN_ID)
+    routed = job.route is not None and backend is None
+    if routed and settings.state.is_file():  # rows another engine of the route answered
+        keyed = carry_route_answers(Store(settings.state, settings.lock_timeout_s), job, keyed)
     uniq, observed = _cache(job, settings, unique_requests(keyed))
     to_send = uniq.filter(~pl.col("answered") & ~pl.col("in_flight"))
     n_send = to_send.height
@@ -162,7 +169,9 @@ def estimate_job(job: JobSpec, settings: Settings, backend: str | None = None) -
     else:
         estimate = quote
     budget = job.cost.budget_usd
+    route = _route_quote(job, by_backend) if routed else None
     return {
+        **({"route": route} if route is not None else {}),
         "job": job.name,
         "backend": chosen.name,
         "model": job.model.name,
@@ -186,4 +195,23 @@ def estimate_job(job: JobSpec, settings: Settings, backend: str | None = None) -
         "by_backend": by_backend,
         "skipped": skipped,
         "assumptions": assumptions,
+    }
+
+
+def _route_quote(job: JobSpec, by_backend: dict[str, Any]) -> dict[str, Any]:
+    """The route priced: each step's engine for everything left to send (batch price; None
+    where that engine has no price), the best case (the first engine answers all) and the
+    worst (the dearest engine of the route answers all; `paid_twice` would come on top)."""
+    assert job.route is not None
+    steps = []
+    for engine in job.route.engines:
+        cost = by_backend.get(engine)
+        usd = cost["batch_usd"] if isinstance(cost, dict) else cost
+        steps.append({"engine": engine, "model": job.route_models[engine], "usd": usd})
+    priced = [s["usd"] for s in steps if s["usd"] is not None]
+    return {
+        "steps": steps,
+        "best_usd": steps[0]["usd"],
+        "worst_usd": max(priced) if priced else None,
+        "unpriced": [s["engine"] for s in steps if s["usd"] is None],
     }

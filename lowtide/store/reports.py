@@ -15,6 +15,7 @@ import polars as pl
 from lowtide.errors import UserError
 from lowtide.store._sql import ident, json_path, literal
 from lowtide.store.publish import PublishingStore, job_rows_sql, source_table
+from lowtide.store.route import RouteStore
 from lowtide.vocabulary import ANSWERED
 
 _COPY_FORMAT = {
@@ -25,7 +26,7 @@ _COPY_FORMAT = {
 EXPORT_FORMATS = tuple(_COPY_FORMAT)
 
 
-class ReportsStore(PublishingStore):
+class ReportsStore(PublishingStore, RouteStore):
     def source_columns(self, table: str) -> list[str]:
         """The columns of a job's sources table (empty when it does not exist yet)."""
         return self._query(
@@ -166,6 +167,8 @@ class ReportsStore(PublishingStore):
                 if m["run_id"] == r["run_id"]
             }
             rec.update(origins.get(r["run_id"], {"cached_from": {}, "answered_by": {}}))
+            if r.get("route_id"):  # a route's step: what switching engines cost so far
+                rec["paid_twice"] = self.paid_twice(r["route_id"])
             records.append(rec)
         return records
 
