@@ -28,7 +28,7 @@ from flows.enrich import (
 from flows.operations import cancel_provider_batches
 from lowtide import artifacts, routing
 from lowtide.context import RunContext, run_context
-from lowtide.crashpoints import crash_point
+from lowtide.errors import BackendError
 from lowtide.input_identity import input_fingerprint
 from lowtide.jobspec import JobSpec, load_job
 from lowtide.lease import driving
@@ -141,6 +141,13 @@ def _drive_step(ctx: RunContext, run_id: str, wait: bool) -> datetime | None:
             if not routing.is_due(ends_at):
                 return None
             return switch(ctx, run_id)
+        except BackendError as e:
+            if not routing.is_due(ends_at) or not store.has_manifest(run_id):
+                record_failure(ctx, run_id, e)
+                raise
+            # the engine fails and the step's time is up: an outage falls over to the next
+            stage_log("route", "run %s on %s failed (%s); its time is up", run_id, ctx.backend, e)
+            return switch(ctx, run_id)
         except Exception as e:
             record_failure(ctx, run_id, e)
             raise
@@ -151,16 +158,19 @@ def switch(ctx: RunContext, run_id: str) -> datetime:
     batches cancelled; what already ended is collected now, what ends later by `collect`."""
     store = ctx.store
     store.mark_switched(run_id)
-    crash_point("after_switch")
     dropped = store.cancel_unsent_batches(run_id)
     live = store.live_provider_batches(run_id)
-    if live.height and ctx.entry.mode == "batch":
-        cancel_provider_batches(ctx.batch_client(), live["provider_batch_id"].to_list())
-    terminal, total = poll_once(store, ctx.batch_client() if ctx.entry.mode == "batch" else None,
-                                run_id)  # fmt: skip
-    collect_ended(ctx, run_id)
-    if terminal == total:
-        finish(ctx, run_id)
+    try:
+        if live.height and ctx.entry.mode == "batch":
+            cancel_provider_batches(ctx.batch_client(), live["provider_batch_id"].to_list())
+        client = ctx.batch_client() if ctx.entry.mode == "batch" else None
+        terminal, total = poll_once(store, client, run_id)
+        collect_ended(ctx, run_id)
+        if terminal == total:
+            finish(ctx, run_id)
+    except BackendError as e:
+        # the engine is down: the switch goes on; `collect` settles its batches later
+        store.record_error(run_id, f"switched; settling its batches failed: {e}")
     stage_log(
         "route", "run %s on %s switched: %d batch(es) cancelled, %d unsent dropped",
         run_id, ctx.backend, live.height, dropped,

@@ -19,6 +19,8 @@ from flows.collect import collect
 from flows.enrich import enrich
 from lowtide import routing
 from lowtide.emulator import Emulator, EmulatorConfig
+from lowtide.emulator.config import parse_faults
+from lowtide.errors import TransientBackendError
 from lowtide.store import Store
 from tests.integration.conftest import advance_clock, write_job
 
@@ -193,3 +195,26 @@ def test_a_waiting_run_watches_the_step_time_and_a_second_night_asks_nothing(
         assert again["unique_requests"] == again["cache_hits"]
         assert sum(fast.ledger.count_by_custom_id().values()) == before
         assert slow.ledger.count_by_custom_id() == {}
+
+
+def test_a_provider_outage_falls_over_to_the_next_engine_when_the_step_time_is_up(
+    tmp_path: Path, fast: Emulator, now: list[datetime]
+) -> None:
+    job = write_job(tmp_path, rows=ROWS, eval_rows=5, extra=ROUTE, replace=ONCE)
+    with _slow(cancel_drain_s=0) as slow:
+        # the first engine refuses every batch (503) for as long as the test runs
+        slow.state.faults.replace(parse_faults("503:POST /v1/batches:100000"))
+        with pytest.raises(TransientBackendError):
+            enrich(job_file=str(job), emulator_url=slow.base_url, wait=False)
+        store = Store(os.environ["LOWTIDE_STATE"])
+        (step0,) = store.in_flight_runs()
+        assert store.get_run(step0["run_id"])["error"]  # resumable, with its error
+        now[0] += timedelta(hours=2, minutes=1)  # the step's time is up: the next try switches
+        second = collect(emulator_url=slow.base_url)[0]
+        assert second["backend"] == "anthropic"
+        _collect_until_done(slow)
+        assert slow.ledger.count_by_custom_id() == {}
+    assert store.get_run(step0["run_id"])["status"] == "cancelled"
+    final = store.run_summary(second["run_id"])
+    assert final["status"] == "completed" and final["succeeded"] == ROWS
+    assert {a for *_, a in _view()} == {"anthropic"}
