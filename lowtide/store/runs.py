@@ -7,7 +7,7 @@ The run state machine (`lowtide.vocabulary.RunStatus`):
 | (none) | running | `open_run` |
 | running | failed | `fail_run` (refused before anything was sent) |
 | running, submitted | submitted | `mark_submitted` (never overwrites cancelling) |
-| running, submitted | cancelling | `mark_cancelling` |
+| running, submitted | cancelling | `mark_cancelling`; `mark_switched` (a `[route]` step, `store/route.py`) |
 | running, submitted, cancelling | completed, held, cancelled | `finish_run` |
 | held, completed, cancelled | (published) | `publish_run` (held becomes completed) |
 """
