@@ -34,6 +34,7 @@ def now() -> datetime:
 _RESUMABLE_SQL = (
     "SELECT run_id FROM runs WHERE job = ? AND job_fingerprint = ? "
     "AND input_fingerprint IS NOT DISTINCT FROM ? AND backend = ? "
+    "AND route_step IS NULL "  # a [route]'s step is resumed by its route (`store/route.py`)
     "AND (list_contains(?, status) OR status = ? AND published_at IS NULL) "
     "ORDER BY started_at DESC LIMIT 1"
 )
