@@ -70,8 +70,10 @@ def collect(
 
 
 def _collect_one(run: dict[str, Any], settings: Settings, emulator_url: str | None) -> dict:
-    if run["route_step"] is not None and run["switched_at"] is None:
-        # the current step of a route: its time may be up (then the next step opens)
+    cancelled_by_hand = run["status"] == "cancelling" and run["switched_at"] is None
+    if run["route_step"] is not None and not cancelled_by_hand:
+        # a route's step: its time may be up (then the next step opens), or it was switched
+        # and its cancelled batches are still ending
         return collect_route_step(settings, run, emulator_url)
     job = load_job(run["job_file"], run["backend"])
     with run_context(settings, job, emulator_url) as ctx, driving(ctx.store, run["run_id"]):

@@ -12,6 +12,7 @@ Times are wall-clock UTC, read through `clock()` so tests can move it.
 
 from __future__ import annotations
 
+import math
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -49,13 +50,29 @@ class RouteSpec(BaseModel):
                 f"{shards} run as shards in a Job lowtide cannot stop, so a route cannot switch "
                 "away from them; run them on their own (--backend)"
             )
+        uncut = [e for e in v[:-1] if REGISTRY[e].mode != "batch"]
+        if uncut:
+            raise ValueError(
+                f"{uncut} answer as they go and cannot be cut short at a step's end: put such an "
+                "engine last"
+            )
+        return v
+
+    @field_validator("deadline", mode="before")
+    @classmethod
+    def _deadline_type(cls, v: object) -> object:
+        # a quoted "8" would otherwise be read as a time (1970-01-01T00:00:08)
+        if isinstance(v, bool) or (isinstance(v, str) and _is_number(v)):
+            raise ValueError("give hours as a number without quotes (deadline = 8)")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError("hours must be a finite number")
         return v
 
     @field_validator("switch_after_hours")
     @classmethod
     def _non_negative(cls, v: list[float]) -> list[float]:
-        if any(h < 0 for h in v):
-            raise ValueError("hours may not be negative")
+        if any(not math.isfinite(h) or h < 0 for h in v):
+            raise ValueError("hours may not be negative (or infinite)")
         return v
 
     @field_validator("deadline")
@@ -108,6 +125,14 @@ class RouteSpec(BaseModel):
         if deadline is not None and at >= deadline:
             return len(self.engines) - 1
         return step + 1
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def is_due(ends_at: datetime | None) -> bool:

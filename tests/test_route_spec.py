@@ -51,6 +51,8 @@ def test_an_absolute_deadline_is_read_in_its_own_time_zone() -> None:
         ('engines = ["openai", "vllm"]\nswitch_after_hours = [-1]', "negative"),
         ('engines = ["openai", "vllm"]\ndeadline = 2026-12-01T06:00:00', "time zone"),
         ('engines = ["openai", "vllm"]\ndeadline = 0', "above 0"),
+        ('engines = ["openai", "vllm"]\ndeadline = "8"', "without quotes"),
+        ('engines = ["vllm", "openai"]\ndeadline = 4', "put such an engine last"),
         ('engines = ["openai", "vllm"]\ndeadline = 4\nafter = 1', "after"),
     ],
 )

@@ -15,7 +15,9 @@ from typing import Any
 from lowtide.store.runs import RunsStore, _insert_run, now
 from lowtide.vocabulary import ANSWERED, RESUMABLE_RUN, RunStatus, sql_list
 
-_ROUTE_COLUMNS = "run_id, route_id, route_step, step_ends_at, switched_at, started_at, status"
+_ROUTE_COLUMNS = (
+    "run_id, route_id, route_step, step_ends_at, switched_at, started_at, status, backend"
+)
 
 # billed: the provider answered (a parse failure is billed too)
 _BILLED = ("ok", "repaired", "reasked", "parse_failed")
@@ -28,7 +30,8 @@ class RouteStore(RunsStore):
         """The newest step of the newest route whose first step had this job content (its
         `fingerprint`) and input, when the route is not over: a
         step to resume (`switched_at` NULL, unfinished or completed but unpublished) or one
-        that was switched away from (the next step is to be opened). None: start a route."""
+        that was switched away from (the next step is to be opened), or a later step that
+        failed before sending (to be opened again). None: start a route."""
         rows = self._query(
             f"SELECT {_ROUTE_COLUMNS}, published_at, "
             "(SELECT min(started_at) FROM runs f WHERE f.run_id = r.route_id) AS route_started "
@@ -44,6 +47,8 @@ class RouteStore(RunsStore):
         if step["switched_at"] is not None:
             return step
         unpublished = status is RunStatus.COMPLETED and step["published_at"] is None
+        if status is RunStatus.FAILED and step["route_step"] > 0:
+            return step  # refused before it sent anything: that step is opened again
         return step if status in RESUMABLE_RUN or unpublished else None
 
     def open_route_step(
@@ -53,14 +58,57 @@ class RouteStore(RunsStore):
         route_id: str,
         step: int,
         step_ends_at: datetime | None,
-    ) -> None:
-        """A new run in `running` as step `step` of route `route_id` (one transaction)."""
+    ) -> str:
+        """Step `step` of route `route_id`: the run another process opened for it meanwhile
+        (for step 0: an unfinished first step of the same job content and input), else a new
+        run in `running`. One transaction, so two starts never open one step twice."""
         with self._transaction() as con:
+            if step == 0:
+                found = con.execute(
+                    "SELECT run_id FROM runs WHERE job = ? AND job_fingerprint = ? "
+                    "AND input_fingerprint IS NOT DISTINCT FROM ? AND route_step = 0 "
+                    "AND switched_at IS NULL AND list_contains(?, status) "
+                    "ORDER BY started_at DESC LIMIT 1",
+                    [
+                        run["job"],
+                        run["job_fingerprint"],
+                        run["input_fingerprint"],
+                        sql_list(RESUMABLE_RUN),
+                    ],
+                ).fetchall()
+            else:
+                found = con.execute(
+                    "SELECT run_id FROM runs WHERE route_id = ? AND route_step = ? "
+                    "AND status <> ? ORDER BY started_at DESC LIMIT 1",
+                    [route_id, step, RunStatus.FAILED.value],
+                ).fetchall()
+            if found:
+                return str(found[0][0])
             _insert_run(con, run)
             con.execute(
                 "UPDATE runs SET route_id = ?, route_step = ?, step_ends_at = ? WHERE run_id = ?",
-                [route_id, step, step_ends_at, run["run_id"]],
+                [route_id if step else run["run_id"], step, step_ends_at, run["run_id"]],
             )
+        return str(run["run_id"])
+
+    def skip_step(self, run_id: str) -> None:
+        """A step whose time was up before it sent anything ends `cancelled` at once."""
+        with self._transaction() as con:
+            con.execute(
+                "UPDATE runs SET status = ?, finished_at = ?, "
+                "switched_at = coalesce(switched_at, ?), "
+                "error = 'its time was up before anything was sent' WHERE run_id = ?",
+                [RunStatus.CANCELLED.value, now(), now(), run_id],
+            )
+
+    def has_later_step(self, route_id: str, step: int) -> bool:
+        """Whether a step after `step` was opened (and did not fail before sending)."""
+        return bool(
+            self._scalar(
+                "SELECT count(*) FROM runs WHERE route_id = ? AND route_step > ? AND status <> ?",
+                [route_id, step, RunStatus.FAILED.value],
+            )
+        )
 
     def mark_switched(self, run_id: str) -> None:
         """The step's time is up: → cancelling (nothing new starts on its engine), stamped."""
@@ -75,7 +123,7 @@ class RouteStore(RunsStore):
     def route_steps(self, route_id: str) -> list[dict[str, Any]]:
         """The route's runs by step: engine, status, when it ended or was switched."""
         return self._query(
-            f"SELECT {_ROUTE_COLUMNS}, backend, model, finished_at, cost_usd FROM runs "
+            f"SELECT {_ROUTE_COLUMNS}, model, finished_at, cost_usd FROM runs "
             "WHERE route_id = ? ORDER BY route_step, started_at",
             [route_id],
         ).to_dicts()
@@ -89,21 +137,29 @@ class RouteStore(RunsStore):
         ]
 
     def paid_twice(self, route_id: str) -> dict[str, Any]:
-        """Requests an earlier step was billed for although a later step asked them again
-        (its answer arrived after the switch): {requests, cost_usd}. The later answer is the
+        """Requests a switched step was billed for after its switch although a later step asked
+        the same units again: {requests, cost_usd}, each request once. The later answer is the
         one shown; the earlier one stays in the cache."""
         row = self._query(
             """
-            WITH steps AS (SELECT run_id, route_step FROM runs WHERE route_id = ?),
+            WITH steps AS (
+                SELECT run_id, route_step, switched_at FROM runs WHERE route_id = ?
+            ),
             own AS (
-                SELECT u.source_id, u.chunk_index, s.route_step, coalesce(r.cost_usd, 0) AS cost
+                SELECT u.source_id, u.chunk_index, s.route_step, r.custom_id,
+                       coalesce(r.cost_usd, 0) AS cost,
+                       s.switched_at IS NOT NULL AND r.received_at >= s.switched_at AS late
                 FROM units u JOIN steps s USING (run_id)
                 JOIN results r ON r.custom_id = u.custom_id AND r.run_id = u.run_id
                 WHERE u.kind = 'row' AND list_contains(?, r.outcome)
+            ),
+            twice AS (
+                SELECT DISTINCT e.custom_id, e.cost FROM own e
+                WHERE e.late AND EXISTS (
+                    SELECT 1 FROM own l WHERE l.source_id = e.source_id
+                    AND l.chunk_index = e.chunk_index AND l.route_step > e.route_step)
             )
-            SELECT count(*) AS requests, coalesce(sum(e.cost), 0) AS cost_usd FROM own e
-            WHERE EXISTS (SELECT 1 FROM own l WHERE l.source_id = e.source_id
-                          AND l.chunk_index = e.chunk_index AND l.route_step > e.route_step)
+            SELECT count(*) AS requests, coalesce(sum(cost), 0) AS cost_usd FROM twice
             """,
             [route_id, sql_list(_BILLED)],
         ).to_dicts()[0]

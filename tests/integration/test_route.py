@@ -162,7 +162,12 @@ def test_an_answer_that_ends_after_the_switch_is_kept_once_and_reported_paid_twi
         advance_clock(slow, 60)  # the slow batch ends cancelled, with what it had done
         _collect_until_done(slow)
     store = Store(os.environ["LOWTIDE_STATE"])
-    late = _row_answers(store, first["run_id"])
+    late = store._scalar(  # noqa: SLF001 - distinct requests (duplicate rows share one)
+        "SELECT count(DISTINCT u.custom_id) FROM units u JOIN results r ON "
+        "r.custom_id = u.custom_id AND r.run_id = u.run_id WHERE u.run_id = ? "
+        "AND u.kind = 'row' AND r.outcome IN ('ok', 'repaired', 'reasked')",
+        [first["run_id"]],
+    )
     assert late >= 8
     summary = store.run_summary(second["run_id"])
     paid = store.route_summary(second["run_id"])["paid_twice"]
@@ -218,3 +223,35 @@ def test_a_provider_outage_falls_over_to_the_next_engine_when_the_step_time_is_u
     final = store.run_summary(second["run_id"])
     assert final["status"] == "completed" and final["succeeded"] == ROWS
     assert {a for *_, a in _view()} == {"anthropic"}
+
+
+def test_a_route_past_its_deadline_opens_only_the_last_engine(
+    tmp_path: Path, fast: Emulator, now: list[datetime]
+) -> None:
+    route = '[route]\nengines = ["emulator", "anthropic"]\ndeadline = 2026-12-01T00:30:00Z\n'
+    job = write_job(tmp_path, rows=ROWS, eval_rows=5, extra=route, replace=ONCE)
+    with _slow(cancel_drain_s=0) as slow:  # now[0] is 01:00, half an hour past the deadline
+        summary = enrich(job_file=str(job), emulator_url=slow.base_url)
+        assert slow.ledger.count_by_custom_id() == {}
+    assert summary["status"] == "completed" and summary["backend"] == "anthropic"
+    assert [s["engine"] for s in summary["route"]["steps"]] == ["anthropic"]
+
+
+def test_a_step_switched_before_its_cancel_was_sent_is_cancelled_by_collect(
+    tmp_path: Path, fast: Emulator, now: list[datetime]
+) -> None:
+    # what a crash right after the switch was recorded leaves: the step marked switched, its
+    # batch still running at the provider, the next step never opened
+    job = write_job(tmp_path, rows=ROWS, eval_rows=5, extra=ROUTE, replace=ONCE)
+    with _slow(cancel_drain_s=0) as slow:
+        first = enrich(job_file=str(job), emulator_url=slow.base_url, wait=False)
+        store = Store(os.environ["LOWTIDE_STATE"])
+        store.mark_switched(first["run_id"])
+        touched = collect(emulator_url=slow.base_url)
+        assert [t["backend"] for t in touched] == ["anthropic"]  # the next step, opened
+        assert store.get_run(first["run_id"])["status"] == "cancelled"
+        assert {b.status for b in slow.state.batches.values()} == {"cancelled"}
+        _collect_until_done(slow)
+        assert slow.ledger.count_by_custom_id() == {}  # cancelled while still validating
+    final = store.run_summary(touched[0]["run_id"])
+    assert final["status"] == "completed" and final["succeeded"] == ROWS
