@@ -14,6 +14,7 @@ import polars as pl
 
 from lowtide.store._db import Database, frame
 from lowtide.store._sql import ident
+from lowtide.store.runs import now as _sent_now
 from lowtide.vocabulary import (
     ANSWERED,
     REALTIME_BACKEND,
@@ -209,9 +210,10 @@ class ManifestStore(Database):
         )
 
     def live_provider_batches(self, run_id: str) -> pl.DataFrame:
-        """(batch_id, provider_batch_id) of the run's batches the provider is still working on."""
+        """(batch_id, provider_batch_id, status) of the run's batches the provider is still
+        working on."""
         return self._query(
-            "SELECT batch_id, provider_batch_id FROM batches WHERE run_id = ? "
+            "SELECT batch_id, provider_batch_id, status FROM batches WHERE run_id = ? "
             "AND provider_batch_id IS NOT NULL AND NOT list_contains(?, status)",
             [run_id, sql_list(TERMINAL)],
         )
@@ -241,8 +243,12 @@ class ManifestStore(Database):
         self._batch(batch_id, input_file_id=input_file_id, status=BatchStatus.UPLOADED.value)
 
     def record_created(self, batch_id: str, provider_batch_id: str) -> None:
+        """The provider accepted the batch: its requests count as sent (`sent_at`)."""
         self._batch(
-            batch_id, provider_batch_id=provider_batch_id, status=BatchStatus.VALIDATING.value
+            batch_id,
+            provider_batch_id=provider_batch_id,
+            status=BatchStatus.VALIDATING.value,
+            sent_at=_sent_now(),
         )
 
     def record_poll(self, batch_id: str, state: Any) -> None:
@@ -265,8 +271,8 @@ class ManifestStore(Database):
         self._batch(batch_id, status=BatchStatus.FAILED.value, errors=_errors_json(code, message))
 
     def start_batch(self, batch_id: str) -> None:
-        """Realtime and pool batches: answering has begun."""
-        self._batch(batch_id, status=BatchStatus.IN_PROGRESS.value)
+        """Realtime and pool batches: answering has begun (its requests count as sent)."""
+        self._batch(batch_id, status=BatchStatus.IN_PROGRESS.value, sent_at=_sent_now())
 
     def complete_batch(self, batch_id: str) -> None:
         """Realtime and pool batches: every answer is stored."""
@@ -275,9 +281,13 @@ class ManifestStore(Database):
     def mark_collected(self, batch_id: str) -> None:
         self._batch(batch_id, collected=True)
 
-    def cancel_unsent_batches(self, run_id: str) -> int:
-        """Batches of a cancelled run that never reached the provider end cancelled."""
+    def cancel_unsent_batches(self, run_id: str, keep_uploaded: bool = False) -> int:
+        """Batches of a cancelled run that never reached the provider end cancelled.
+        `keep_uploaded`: leave those whose create call may have reached it (`uploaded`), for
+        the caller to look up first."""
         unsent = self.unsent_provider_batches(run_id) + self.pending_realtime_batches(run_id)
+        if keep_uploaded:
+            unsent = [b for b in unsent if self.batch(b)["status"] != BatchStatus.UPLOADED.value]
         for batch_id in unsent:
             self._batch(
                 batch_id,

@@ -295,6 +295,19 @@ MIGRATIONS.append(
     )
 )
 
+MIGRATIONS.append(
+    (
+        12,
+        "a batch knows when its requests reached the provider (what requests_sent counts)",
+        """
+        ALTER TABLE batches ADD COLUMN sent_at TIMESTAMP;  -- accepted by the provider, or begun
+        UPDATE batches SET sent_at = updated_at
+        WHERE provider_batch_id IS NOT NULL OR status NOT IN ('pending', 'uploaded', 'failed')
+              AND NOT (status = 'cancelled' AND provider_batch_id IS NULL);
+        """,
+    )
+)
+
 LATEST = MIGRATIONS[-1][0]
 
 

@@ -149,7 +149,7 @@ class RunsStore(Database):
     def in_flight_runs(self) -> list[dict[str, Any]]:
         """Runs that have batches and are not finished: what `collect` drives, oldest first."""
         return self._query(
-            "SELECT run_id, job_file, backend, route_id, route_step, switched_at, "
+            "SELECT run_id, job_file, backend, status, route_id, route_step, switched_at, "
             "(SELECT f.started_at FROM runs f WHERE f.run_id = r.route_id) AS route_started "
             "FROM runs r WHERE list_contains(?, status) "
             "AND run_id IN (SELECT run_id FROM batches) ORDER BY started_at",
@@ -247,7 +247,8 @@ class RunsStore(Database):
         with self._transaction() as con:
             con.execute(
                 "UPDATE runs SET requests_sent = (SELECT count(DISTINCT br.custom_id) "
-                "FROM batch_requests br JOIN batches b USING (batch_id) WHERE b.run_id = ?), "
+                "FROM batch_requests br JOIN batches b USING (batch_id) WHERE b.run_id = ? "
+                "AND b.sent_at IS NOT NULL), "
                 "status = CASE WHEN list_contains(?, status) THEN ? ELSE status END "
                 "WHERE run_id = ?",
                 [run_id, sql_list(RESUMABLE_RUN), RunStatus.SUBMITTED.value, run_id],
@@ -293,7 +294,7 @@ class RunsStore(Database):
                 "succeeded = ?, failed = ?, eval_accuracy = ?, cost_usd = ?, "
                 "realtime_cost_usd = ?, naive_cost_usd = ?, "
                 "requests_sent = (SELECT count(DISTINCT br.custom_id) FROM batch_requests br "
-                "JOIN batches b USING (batch_id) WHERE b.run_id = ?) "
+                "JOIN batches b USING (batch_id) WHERE b.run_id = ? AND b.sent_at IS NOT NULL) "
                 "WHERE run_id = ?",
                 [
                     status.value,

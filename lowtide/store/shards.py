@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import polars as pl
 
-from lowtide.store import Store
+from lowtide.store import Store, now
 from lowtide.store._db import frame
 from lowtide.vocabulary import ANSWERED, TERMINAL, BatchStatus, sql_list
 
@@ -109,4 +109,5 @@ class ShardStore(Store):
             batch_id,
             provider_batch_id=provider_batch_id,
             status=BatchStatus.IN_PROGRESS.value,
+            sent_at=now(),
         )
