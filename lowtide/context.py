@@ -16,6 +16,7 @@ from typing import Any
 
 from lowtide.backends import BackendEntry, Connection, backend_entry
 from lowtide.backends.base import Backend, Capabilities
+from lowtide.backends.keys import secret_from_block
 from lowtide.jobspec import JobSpec
 from lowtide.pricing import Price, load_price
 from lowtide.settings import Settings
@@ -92,6 +93,8 @@ def _pool_config(job: JobSpec, settings: Settings) -> Any:
     from lowtide.backends.vllm_pool import PoolConfig
 
     key = settings.vllm_api_key.get_secret_value() if settings.vllm_api_key else None
+    if key is None and job.pool.api_key_block:
+        key = secret_from_block(job.pool.api_key_block, "vllm", "LOWTIDE_VLLM_API_KEY")
     return PoolConfig.from_spec(job.pool, env_urls=settings.vllm_urls, env_api_key=key)
 
 

@@ -12,6 +12,7 @@ import ipaddress
 import re
 import string
 import tomllib
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -224,7 +225,8 @@ class PoolSpec(_Strict):
     urls: list[str] = Field(default_factory=list)  # base URLs ending in /v1; or LOWTIDE_VLLM_URLS
     # dns:NAME:PORT: every address NAME resolves to is a server, re-resolved during the run
     discover: str | None = None
-    api_key: str | None = None  # sent as a Bearer token when the servers require one
+    api_key: str | None = None  # deprecated: a key in a job file ends up in version control
+    api_key_block: str | None = Field(None, min_length=1)  # Prefect Secret block with the key
     min_inflight: int = Field(1, ge=1)  # per endpoint
     max_inflight: int = Field(256, ge=1)  # per endpoint
     initial_inflight: int = Field(8, ge=1)
@@ -424,6 +426,14 @@ def load_job(path: str | Path, backend: str | None = None) -> JobSpec:
     except ValidationError as e:
         raise JobFileError(path, _describe(e)) from e
     job.source_path = str(path.resolve())
+    if job.pool.api_key is not None:
+        warnings.warn(
+            f"{path}: [pool] api_key keeps a secret in the job file, which is deprecated: set "
+            "LOWTIDE_VLLM_API_KEY, or save the key in a Prefect Secret block and name it in "
+            "[pool] api_key_block",
+            FutureWarning,  # shown to users by default, unlike DeprecationWarning
+            stacklevel=2,
+        )
     if backend:
         job.model.backend = backend
     elif job.route is not None:

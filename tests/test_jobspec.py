@@ -130,3 +130,13 @@ def test_reduce_rules_default_per_type_and_follow_the_job_file(tmp_path: Path) -
         "o": "first",
         "label": "majority",
     }
+
+
+def test_a_pool_key_in_the_job_file_is_deprecated_with_the_way_out(tmp_path: Path) -> None:
+    from tests.integration.conftest import write_job
+
+    job = write_job(tmp_path, rows=5, eval_rows=5, extra='[pool]\napi_key = "k-in-file"\n')
+    with pytest.warns(FutureWarning, match=r"LOWTIDE_VLLM_API_KEY.*api_key_block") as seen:
+        spec = load_job(job)
+    assert str(job) in str(seen[0].message) and "k-in-file" not in str(seen[0].message)
+    assert spec.pool.api_key == "k-in-file"  # still honoured while deprecated

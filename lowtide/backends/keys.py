@@ -30,6 +30,12 @@ def require_key(backend: str, variable: str, block: str | None = None) -> str:
             backend=backend,
             operation="config",
         )
+    return secret_from_block(block, backend, variable)
+
+
+def secret_from_block(block: str, backend: str, variable: str) -> str:
+    """The key saved in the Prefect Secret block `block` (read when `variable` is unset);
+    TerminalBackendError saying why not when it holds none."""
     value, why = _from_secret_block(block)
     if value:
         return value

@@ -291,7 +291,14 @@ def _save_secret_block(server: PrefectServer, name: str, key: str) -> None:
 
 # -- the runs -------------------------------------------------------------------------------------
 
-CASES = ("openai", "anthropic", "vllm", "openai + Secret block", "openai, key refused (401)")
+CASES = (
+    "openai",
+    "anthropic",
+    "vllm",
+    "openai + Secret block",
+    "vllm + Secret block",
+    "openai, key refused (401)",
+)
 RESULTS: dict[str, dict[str, Any]] = {}
 
 
@@ -314,7 +321,11 @@ def test_a_run_leaves_its_key_nowhere(
     backend = case.split()[0].rstrip(",")
     block = f"canary-{secrets.token_hex(4)}" if "block" in case else None
     replace = {"extra_body = {}\n": f'extra_body = {{}}\napi_key_block = "{block}"\n'}
-    job = write_job(tmp_path, rows=24, eval_rows=4, replace=replace if block else None)
+    if backend == "vllm":  # the pool's key: [pool] api_key_block
+        extra = f'[pool]\napi_key_block = "{block}"\n' if block else ""
+        job = write_job(tmp_path, rows=24, eval_rows=4, extra=extra)
+    else:
+        job = write_job(tmp_path, rows=24, eval_rows=4, replace=replace if block else None)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "ANTHROPIC_"))}
     env |= {
         "PREFECT_API_URL": prefect_server.url,
@@ -331,7 +342,11 @@ def test_a_run_leaves_its_key_nowhere(
             pool = stack.enter_context(
                 start_engines(2, EngineConfig(time_scale=50.0), api_key=key, ledger=ledger)
             )
-            env |= {"LOWTIDE_VLLM_URLS": ",".join(pool.urls), "LOWTIDE_VLLM_API_KEY": key}
+            env |= {"LOWTIDE_VLLM_URLS": ",".join(pool.urls)}
+            if block:
+                _save_secret_block(prefect_server, block, key)
+            else:
+                env["LOWTIDE_VLLM_API_KEY"] = key
             provider_calls = lambda: len(ledger.executions())  # noqa: E731
         else:
             emu = Emulator(EmulatorConfig(time_scale=600.0, error_rate=0.0))
@@ -361,6 +376,7 @@ def test_a_run_leaves_its_key_nowhere(
         assert run.returncode != 0 and "401" in run.stderr, run.stdout + run.stderr
         # every row failed with the 401 as its reason (kept in the state file: scanned below)
         assert record["status"] == "completed" and record["failed"] == 24, record
+        assert record["requests_sent"] == 0  # refused at the upload: nothing reached it
         done = _cli(["status", run_id], env, tmp_path)
         outputs.append(("status RUN", done.stdout + done.stderr))
     else:
