@@ -804,13 +804,19 @@ CHILD = textwrap.dedent(
 
     requests_path, db_path, urls = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
 
+    committed = 0
+
     def checkpoint(frame):
+        global committed
         con = duckdb.connect(db_path)
         con.execute("BEGIN")
         con.execute("INSERT INTO results SELECT * FROM frame")
         con.execute("COMMIT")
         con.close()
+        committed += frame.height
         print(f"checkpointed {frame.height}", flush=True)
+        if committed >= 200:
+            sys.stdin.readline()  # wait here for the kill: the run is midway by an event
 
     config = PoolConfig(urls=tuple(urls), checkpoint_every=25, metrics_interval_s=0.1)
     stats = run_pool(pl.read_parquet(requests_path), config, checkpoint)
@@ -837,6 +843,7 @@ def test_a_run_killed_midway_resumes_with_only_the_unanswered_requests(engines, 
     script.write_text(CHILD)
     child = subprocess.Popen(
         [sys.executable, str(script), str(requests_path), str(db_path), ",".join(pool.urls)],
+        stdin=subprocess.PIPE,  # never written: the child blocks on it once midway
         stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -850,6 +857,7 @@ def test_a_run_killed_midway_resumes_with_only_the_unanswered_requests(engines, 
             child.send_signal(signal.SIGKILL)
             break
     child.wait(timeout=30)
+    child.stdin.close()  # type: ignore[union-attr]
     assert child.returncode == -signal.SIGKILL
 
     with duckdb.connect(str(db_path)) as con:
