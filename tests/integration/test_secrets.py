@@ -499,6 +499,7 @@ def test_write_the_secrets_table() -> None:
         "anthropic": "ANTHROPIC_API_KEY",
         "vllm": "LOWTIDE_VLLM_API_KEY",
         "openai + Secret block": "Prefect Secret block",
+        "vllm + Secret block": "Prefect Secret block ([pool] api_key_block)",
         "openai, key refused (401)": "OPENAI_API_KEY (the provider wants another)",
     }
     common = (
