@@ -37,6 +37,21 @@ def lowtide_cli(
     )
 
 
+def start_lowtide_run(
+    job: Path, env: dict[str, str], cwd: Path, backend: str = "emulator"
+) -> subprocess.Popen[str]:
+    """`lowtide run JOB --backend BACKEND` started in the background, as a user's terminal
+    starts it (output captured); the caller waits for it, signals or kills it."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "lowtide.cli", "run", str(job), "--backend", backend],
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def advance_clock(emu: Emulator, seconds: float) -> None:
     """Move the emulator's simulated clock forward (tests that freeze it, time_scale=0)."""
     import urllib.request

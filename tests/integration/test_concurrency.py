@@ -28,7 +28,7 @@ import pytest
 
 from lowtide.emulator import Emulator, EmulatorConfig
 from tests.conftest import REPO
-from tests.integration.conftest import write_job
+from tests.integration.conftest import start_lowtide_run, write_job
 
 pytestmark = [
     pytest.mark.usefixtures("prefect_harness"),
@@ -114,14 +114,7 @@ def test_a_second_run_and_a_collect_beside_a_run_in_flight(tmp_path: Path) -> No
     # a frozen clock: the first run's batch stays in flight until the test moves it
     with Emulator(EmulatorConfig(time_scale=0.0, error_rate=0.0)) as emu:
         env = _env(emu)
-        first = subprocess.Popen(
-            [sys.executable, "-m", "lowtide.cli", "run", str(job), "--backend", "emulator"],
-            env=env,
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        first = start_lowtide_run(job, env, tmp_path)
         try:
             _wait_for_batch(emu, first)
             second = _cli(["run", str(job), "--backend", "emulator"], env, tmp_path)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import pytest
 from flows.enrich import enrich
 from lowtide.emulator import Emulator, EmulatorConfig
 from lowtide.store import Store
-from tests.integration.conftest import write_job
+from tests.integration.conftest import start_lowtide_run, write_job
 
 pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.slow]
 
@@ -64,14 +63,7 @@ def test_ctrl_c_stops_a_waiting_run_in_one_line_and_the_rerun_resumes_it(tmp_pat
     with Emulator(frozen) as emu:
         env = {**os.environ, "LOWTIDE_EMULATOR_URL": emu.base_url}
         env.pop("PREFECT_API_URL", None)  # Prefect's temporary server, started by the run
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "lowtide.cli", "run", str(job), "--backend", "emulator"],
-            env=env,
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        proc = start_lowtide_run(job, env, tmp_path)
         try:
             run_id = _wait_until_submitted(Store(state), proc)
             proc.send_signal(signal.SIGINT)
