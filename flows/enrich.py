@@ -16,7 +16,7 @@ from __future__ import annotations
 import shutil
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from prefect import flow
 from prefect.runtime import flow_run
@@ -215,7 +215,19 @@ def save_job(ctx: RunContext) -> None:
     )
 
 
-def run_fields(ctx: RunContext, run_id: str) -> dict[str, str | None]:
+class RunFields(TypedDict):
+    run_id: str
+    job: str
+    job_fingerprint: str
+    job_file: str
+    backend: str
+    model: str
+    input_fingerprint: str
+    input_digest: str | None
+    spec_digest: str | None
+
+
+def run_fields(ctx: RunContext, run_id: str) -> RunFields:
     """What a new run records about its job, backend and input."""
     job = ctx.job
     return {

@@ -9,6 +9,7 @@ its in-flight batches still end (and are collected) like those of a cancelled ru
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
@@ -53,7 +54,7 @@ class RouteStore(RunsStore):
 
     def open_route_step(
         self,
-        run: dict[str, str | None],
+        run: Mapping[str, Any],
         *,
         route_id: str,
         step: int,
