@@ -139,16 +139,16 @@ def carry_route_answers(store: Store, job: JobSpec, keyed: pl.DataFrame) -> pl.D
     """A route step's row units that another engine of the route answered take that answer's
     key: they count as cache hits and are not asked again. The step's own answers come first,
     then the route's engines in order."""
-    rows = (pl.col("kind") == "row") & (pl.col("custom_id") != "")
+    rows = keyed.filter((pl.col("kind") == "row") & (pl.col("custom_id") != ""))
+    own = store.known_outcomes(rows["custom_id"].unique()).filter(pl.col("answered"))
+    # units no answer covers yet; each engine of the route may take some of them
+    todo = rows.filter(~pl.col("custom_id").is_in(own["custom_id"].implode())).drop(
+        "user", "request_key", "custom_id"
+    )
     for fingerprint in route_fingerprints(job):
-        own = store.known_outcomes(keyed.filter(rows)["custom_id"].unique())
-        unanswered = own.filter(~pl.col("answered"))["custom_id"]
-        todo = keyed.filter(rows & pl.col("custom_id").is_in(unanswered.implode()))
         if todo.height == 0:
             break
-        alt = request_keys(
-            todo.drop("user", "request_key", "custom_id"), job.prompt.user_template, fingerprint
-        ).select(
+        alt = request_keys(todo, job.prompt.user_template, fingerprint).select(
             "unit_id", "kind", pl.col("request_key").alias("_key"), pl.col("custom_id").alias("_id")
         )
         found = store.known_outcomes(alt["_id"].unique()).filter(pl.col("answered"))
@@ -161,6 +161,7 @@ def carry_route_answers(store: Store, job: JobSpec, keyed: pl.DataFrame) -> pl.D
             )
             .drop("_key", "_id")
         )
+        todo = todo.join(alt, on=["unit_id", "kind"], how="anti")
     return keyed
 
 
