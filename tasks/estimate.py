@@ -120,10 +120,13 @@ def estimate_job(job: JobSpec, settings: Settings, backend: str | None = None) -
         job = load_job(job.source_path, backend)
     rows = load_input(job, _cursor_mark(job, settings))
     evals = load_eval_set(job)
-    keyed = key_units(job, job_units(job, rows, evals), ESTIMATE_RUN_ID)
+    # texts a run (or an earlier quote) already cut are not tokenized again, and this quote's
+    # cuts serve the run that follows it
+    store = Store(settings.state, settings.lock_timeout_s) if settings.state.is_file() else None
+    keyed = key_units(job, job_units(job, rows, evals, memo=store), ESTIMATE_RUN_ID)
     routed = job.route is not None and backend is None
-    if routed and settings.state.is_file():  # rows another engine of the route answered
-        keyed = carry_route_answers(Store(settings.state, settings.lock_timeout_s), job, keyed)
+    if routed and store is not None:  # rows another engine of the route answered
+        keyed = carry_route_answers(store, job, keyed)
     uniq, observed = _cache(job, settings, unique_requests(keyed))
     to_send = uniq.filter(~pl.col("answered") & ~pl.col("in_flight"))
     n_send = to_send.height

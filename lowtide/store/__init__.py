@@ -10,7 +10,8 @@
 - `history`: a job's runs over time, for the charts of `lowtide report`;
 - `unchanged`: the night nothing changed, recorded from the run the view already shows;
 - `cursor`: where an incremental job's next run starts reading (`[input] cursor_column`);
-- `route`: a `[route]`'s steps, the switch between engines and what it cost (`paid_twice`).
+- `route`: a `[route]`'s steps, the switch between engines and what it cost (`paid_twice`);
+- `chunk_cuts`: where long texts were cut, so a night tokenizes only texts it has not seen.
 
 Connections and quoting are private (`_db`, `_sql`); `compute` is SQL used as a calculator
 (hashes, reading an input table) that touches no state. Nothing outside this package writes SQL.
@@ -18,6 +19,7 @@ Connections and quoting are private (`_db`, `_sql`); `compute` is SQL used as a 
 
 from __future__ import annotations
 
+from lowtide.store.chunk_cuts import ChunkCutsStore
 from lowtide.store.cursor import CursorStore
 from lowtide.store.history import HistoryStore, JobHistory
 from lowtide.store.manifest import ManifestStore
@@ -36,6 +38,7 @@ class Store(
     UnchangedStore,
     CursorStore,
     RouteStore,
+    ChunkCutsStore,
 ):
     """The state file. Each public method is one short transaction, named for its purpose."""
 

@@ -25,6 +25,17 @@ def sha256_hex(values: pl.Series) -> pl.Series:
     return pl.Series(values.name, keys).cast(pl.String)
 
 
+def md5_hex(values: pl.Series) -> pl.Series:
+    """md5 of each string, as lowercase hex (in C, no Python loop): a text's short identity."""
+    con = duckdb.connect()
+    try:
+        con.register("v", pl.DataFrame({"v": values}, schema={"v": pl.String}))
+        keys = con.sql("SELECT md5(v) AS k FROM v").to_arrow_table().column("k")
+    finally:
+        con.close()
+    return pl.Series("text_md5", keys).cast(pl.String)
+
+
 def md5_fraction(values: pl.Series, seed: int) -> pl.Series:
     """A stable pseudo-random number in [0, 1) per string: md5(seed:value)'s first 32 bits."""
     con = duckdb.connect()

@@ -308,6 +308,23 @@ MIGRATIONS.append(
     )
 )
 
+MIGRATIONS.append(
+    (
+        13,
+        "where a long text was cut into chunks, remembered per text and budget (chunk once)",
+        """
+        CREATE TABLE chunk_cuts (
+            text_md5 VARCHAR NOT NULL,        -- md5 of the row's text
+            budget VARCHAR NOT NULL,          -- encoding:max_tokens:overlap
+            starts INTEGER[] NOT NULL,        -- each piece's first character
+            lengths INTEGER[] NOT NULL,       -- each piece's length in characters
+            tokens INTEGER[] NOT NULL,        -- each piece's token count
+            PRIMARY KEY (text_md5, budget)
+        );
+        """,
+    )
+)
+
 LATEST = MIGRATIONS[-1][0]
 
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import polars as pl
@@ -8,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lowtide import tokens
+from lowtide.store import Store
 from lowtide.tokens import count_tokens
 from tasks import chunk
 from tasks.chunk import chunk_units, split_text
@@ -106,3 +108,39 @@ def test_truncate_keeps_only_the_first_piece() -> None:
     units = chunk_units(rows, max_tokens=100, mode="truncate")
     assert units.height == 1 and units["n_chunks"][0] == 1
     assert count_tokens(units["text"][0]) <= 100
+
+
+def test_a_memo_cuts_each_long_text_once_across_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    encoded: list[str] = []  # every long text that was tokenized whole
+
+    def spied_encode(text: str, encoding: str = tokens.DEFAULT_ENCODING) -> list[int]:
+        encoded.append(text)
+        return tokens.encode(text, encoding)
+
+    monkeypatch.setattr(chunk, "encode", spied_encode)
+    store = Store(tmp_path / "state.duckdb")
+    first = pl.DataFrame(
+        {"source_id": ["a", "b", "c", "d"], "text": ["word " * 300, "tick " * 300, "short", ""]}
+    )
+    night1 = chunk_units(first, max_tokens=100, overlap=8, memo=store)
+    assert sorted(encoded) == sorted(["word " * 300, "tick " * 300])
+
+    encoded.clear()  # the same texts again: cut from memory, identical units
+    assert chunk_units(first, max_tokens=100, overlap=8, memo=store).equals(night1)
+    assert encoded == []
+
+    encoded.clear()  # one text changed, one row added with a text seen before: one tokenized
+    changed = pl.DataFrame(
+        {"source_id": ["a", "b", "e"], "text": ["word " * 300, "tock " * 300, "tick " * 300]}
+    )
+    night3 = chunk_units(changed, max_tokens=100, overlap=8, memo=store)
+    assert encoded == ["tock " * 300]
+    assert night3.equals(chunk_units(changed, max_tokens=100, overlap=8))  # as without memo
+    e = night3.filter(pl.col("source_id") == "e")["text"].to_list()
+    assert e == night1.filter(pl.col("source_id") == "b")["text"].to_list()
+
+    encoded.clear()  # another budget is another cut
+    chunk_units(first.head(1), max_tokens=120, overlap=8, memo=store)
+    assert encoded == ["word " * 300]
