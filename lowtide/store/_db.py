@@ -63,6 +63,9 @@ class Database:
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
         try:
+            # Every timestamp in the state is UTC: DuckDB's now() would otherwise be the host's
+            # local time beside Python's UTC stamps.
+            con.execute("SET TimeZone = 'UTC'")
             if not self._migrated:
                 migrations.apply(con)
                 self._migrated = True
