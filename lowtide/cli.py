@@ -231,11 +231,9 @@ def collect(
 
 
 def _anything_in_flight(settings: Any) -> bool:
-    if not settings.state.is_file():
-        return False
-    from lowtide.store import Store
+    from lowtide.store.in_flight import any_in_flight
 
-    return bool(Store(settings.state, settings.lock_timeout_s).in_flight_runs())
+    return any_in_flight(settings.state, settings.lock_timeout_s)
 
 
 @app.command()

@@ -14,6 +14,7 @@ import openai
 from typer.testing import CliRunner
 
 from lowtide.cli import app
+from lowtide.store import Store
 
 runner = CliRunner()
 
@@ -90,3 +91,34 @@ def test_collect_with_nothing_in_flight_answers_without_starting_prefect(tmp_pat
     assert done.stdout.strip() == "nothing in flight"
     assert not (home / "prefect.db").exists()
     assert not (tmp_path / "none.duckdb").exists()  # asking created no state file
+
+
+_MODULES_AFTER_COLLECT = """
+import sys
+from lowtide.cli import main
+sys.argv = ["lowtide", "collect"]
+try:
+    main()
+except SystemExit as done:
+    assert not done.code, done.code
+print(sorted(m for m in ("polars", "pyarrow", "prefect") if m in sys.modules))
+"""
+
+
+def test_an_idle_collect_tick_loads_neither_polars_nor_prefect(tmp_path: Path) -> None:
+    """With a state file and nothing in flight, `collect` answers with plain DuckDB: loading
+    polars, pyarrow and Prefect was most of an idle tick's second and a half."""
+    state = tmp_path / "state.duckdb"
+    assert Store(state).in_flight_runs() == []  # a state file with its schema, no run
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env |= {"PREFECT_HOME": str(tmp_path / "prefect-home"), "LOWTIDE_STATE": str(state)}
+    done = subprocess.run(
+        [sys.executable, "-c", _MODULES_AFTER_COLLECT],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["nothing in flight", "[]"]

@@ -13,34 +13,25 @@
 - `route`: a `[route]`'s steps, the switch between engines and what it cost (`paid_twice`);
 - `chunk_cuts`: where long texts were cut, so a night tokenizes only texts it has not seen.
 
-Connections and quoting are private (`_db`, `_sql`); `compute` is SQL used as a calculator
+`Store` itself lives in `facade` and is loaded on first use; `in_flight` answers "is anything in
+flight?" without polars (the scheduled `collect` that finds nothing). Connections and quoting are
+private (`_db`, `_sql`); `compute` is SQL used as a calculator
 (hashes, reading an input table) that touches no state. Nothing outside this package writes SQL.
 """
 
 from __future__ import annotations
 
-from lowtide.store.chunk_cuts import ChunkCutsStore
-from lowtide.store.cursor import CursorStore
-from lowtide.store.history import HistoryStore, JobHistory
-from lowtide.store.manifest import ManifestStore
-from lowtide.store.reports import EXPORT_FORMATS, ReportsStore
-from lowtide.store.results import ResultsStore
-from lowtide.store.route import RouteStore
-from lowtide.store.runs import now
-from lowtide.store.unchanged import UnchangedStore
+from typing import TYPE_CHECKING, Any
 
-
-class Store(
-    ReportsStore,
-    ManifestStore,
-    ResultsStore,
-    HistoryStore,
-    UnchangedStore,
-    CursorStore,
-    RouteStore,
-    ChunkCutsStore,
-):
-    """The state file. Each public method is one short transaction, named for its purpose."""
-
+if TYPE_CHECKING:
+    from lowtide.store.facade import EXPORT_FORMATS, JobHistory, Store, now
 
 __all__ = ["EXPORT_FORMATS", "JobHistory", "Store", "now"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from lowtide.store import facade
+
+        return getattr(facade, name)
+    raise AttributeError(f"module 'lowtide.store' has no attribute {name!r}")

@@ -12,20 +12,24 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import duckdb
-import polars as pl
 
 from lowtide.errors import LowtideError, StateLockedError
 from lowtide.store import migrations
 from lowtide.store._sql import ident
+
+if TYPE_CHECKING:
+    import polars as pl
 
 
 def frame(
     con: duckdb.DuckDBPyConnection, sql: str, params: list[Any] | dict[str, Any] | None = None
 ) -> pl.DataFrame:
     """Run a query and return its result as a polars frame (through Arrow, no row loop)."""
+    import polars as pl  # here, not at the top: `collect`'s quick check never loads it
+
     result = pl.from_arrow(con.sql(sql, params=params or None).to_arrow_table())
     if not isinstance(result, pl.DataFrame):  # a one-column result can come back as a Series
         result = result.to_frame()

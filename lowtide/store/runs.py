@@ -23,7 +23,8 @@ import polars as pl
 
 from lowtide.errors import RunNotFoundError, RunStateError
 from lowtide.store._db import Database
-from lowtide.vocabulary import FINISHED_RUN, IN_FLIGHT_RUN, RESUMABLE_RUN, RunStatus, sql_list
+from lowtide.store.in_flight import IN_FLIGHT_WHERE, in_flight_statuses
+from lowtide.vocabulary import FINISHED_RUN, RESUMABLE_RUN, RunStatus, sql_list
 
 
 def now() -> datetime:
@@ -151,9 +152,8 @@ class RunsStore(Database):
         return self._query(
             "SELECT run_id, job_file, backend, status, route_id, route_step, switched_at, "
             "(SELECT f.started_at FROM runs f WHERE f.run_id = r.route_id) AS route_started "
-            "FROM runs r WHERE list_contains(?, status) "
-            "AND run_id IN (SELECT run_id FROM batches) ORDER BY started_at",
-            [sql_list(IN_FLIGHT_RUN)],
+            f"FROM runs r WHERE {IN_FLIGHT_WHERE} ORDER BY started_at",
+            [in_flight_statuses()],
         ).to_dicts()
 
     def latest_finished_runs(self, job: str | None = None) -> list[dict[str, Any]]:
