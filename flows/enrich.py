@@ -104,18 +104,19 @@ def prepare(ctx: RunContext, run_id: str) -> None:
     loaded = load_task(ctx, run_id)
     progress.report("chunk")
     chunked = chunk_task(ctx, run_id, loaded)
-    progress.report("dedupe")
-    deduped = dedupe_task(ctx, run_id, chunked)
-    ctx.store.record_prepared(
-        run_id,
-        rows=loaded["rows"],
-        units=deduped["row_units"],
-        unique_requests=deduped["unique_requests"],
-        cache_hits=deduped["cache_hits"],
-    )
-    progress.report("assemble")
-    plan = assemble_task(ctx, run_id, deduped)
-    ctx.store.record_estimate(run_id, plan["estimate_usd"])
+    with ctx.store.held():  # from here on, back-to-back store work
+        progress.report("dedupe")
+        deduped = dedupe_task(ctx, run_id, chunked)
+        ctx.store.record_prepared(
+            run_id,
+            rows=loaded["rows"],
+            units=deduped["row_units"],
+            unique_requests=deduped["unique_requests"],
+            cache_hits=deduped["cache_hits"],
+        )
+        progress.report("assemble")
+        plan = assemble_task(ctx, run_id, deduped)
+        ctx.store.record_estimate(run_id, plan["estimate_usd"])
 
 
 def advance(ctx: RunContext, run_id: str, wait: bool, until: datetime | None = None) -> bool:
@@ -138,23 +139,24 @@ def advance(ctx: RunContext, run_id: str, wait: bool, until: datetime | None = N
 
 def finish(ctx: RunContext, run_id: str) -> None:
     """qa → reconcile → finalize → publish, for a run whose requests all have final outcomes."""
-    progress.report("qa")
-    qa = qa_task(ctx, run_id)
-    cost = reconcile_task(ctx, run_id)
-    counts = finalize_task(ctx, run_id)
-    ctx.store.finish_run(
-        run_id,
-        hold_reasons=qa["hold"],
-        succeeded=counts["succeeded"],
-        failed=counts["failed"],
-        eval_accuracy=qa["eval_accuracy"],
-        cost_usd=cost["cost_usd"],
-        realtime_cost_usd=cost["realtime_cost_usd"],
-        naive_cost_usd=cost["naive_cost_usd"],
-    )
-    ctx.store.record_paid_twice(run_id)  # a route's step: what switching engines cost
-    progress.report("publish")
-    publish_task(ctx, run_id)
+    with ctx.store.held():  # every step here is store work, back to back
+        progress.report("qa")
+        qa = qa_task(ctx, run_id)
+        cost = reconcile_task(ctx, run_id)
+        counts = finalize_task(ctx, run_id)
+        ctx.store.finish_run(
+            run_id,
+            hold_reasons=qa["hold"],
+            succeeded=counts["succeeded"],
+            failed=counts["failed"],
+            eval_accuracy=qa["eval_accuracy"],
+            cost_usd=cost["cost_usd"],
+            realtime_cost_usd=cost["realtime_cost_usd"],
+            naive_cost_usd=cost["naive_cost_usd"],
+        )
+        ctx.store.record_paid_twice(run_id)  # a route's step: what switching engines cost
+        progress.report("publish")
+        publish_task(ctx, run_id)
     if not ctx.keep_work_dir:
         # everything the run needs is in the state file now; its parquet files only took space
         shutil.rmtree(ctx.work_dir(run_id), ignore_errors=True)
@@ -245,8 +247,9 @@ def run_fields(ctx: RunContext, run_id: str) -> RunFields:
 
 def run_summary(ctx: RunContext, run_id: str) -> dict[str, Any]:
     """The run's summary with where its files are (and, for a route's step, the route)."""
-    summary = {**ctx.store.run_summary(run_id), "db": ctx.db_path, "state": ctx.state_path}
-    route = ctx.store.route_summary(run_id)
+    with ctx.store.held():
+        summary = {**ctx.store.run_summary(run_id), "db": ctx.db_path, "state": ctx.state_path}
+        route = ctx.store.route_summary(run_id)
     if route is not None:
         summary["route"] = route
     return summary

@@ -8,6 +8,7 @@ naming the file and the holder. Everything row-level moves through Arrow, never 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,6 +50,30 @@ class Database:
         self.lock_timeout_s = lock_timeout_s
         self._migrated = False
         self._columns: dict[str, frozenset[str]] = {}
+        self._holds = 0
+        self._holds_lock = threading.Lock()
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Keep the state file open across a stretch of back-to-back calls. Each call opens its
+        own connection, and opening the file when no connection to it is open in the process
+        starts DuckDB afresh (measured: ~45 ms of CPU, building its catalog of functions); while
+        one is held, opening costs ~1 ms. Other processes wait while the file is held, so hold
+        it around store work only, never around a wait on a provider or a long computation."""
+        with self._holds_lock:
+            self._holds += 1
+            first = self._holds == 1
+        try:
+            if first:
+                # DuckDB shares one open instance per file within a process: this connection
+                # keeps it open, so every other call's connect is cheap
+                with self._connect():
+                    yield
+            else:
+                yield
+        finally:
+            with self._holds_lock:
+                self._holds -= 1
 
     @contextmanager
     def _connect(self) -> Iterator[duckdb.DuckDBPyConnection]:
