@@ -17,16 +17,25 @@ from tests.conftest import SAMPLE_JOB
 
 
 def lowtide_cli(
-    *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300
+    *args: str,
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    inherit: bool = True,
 ) -> subprocess.CompletedProcess[str]:
     """`python -m lowtide.cli ARGS` in a subprocess, as a user (or a crash test) runs it: the
     test's environment plus `env`, and the session's Prefect server unless `env` says otherwise
-    (a PREFECT_API_URL of "" means none: Prefect's temporary server)."""
+    (a PREFECT_API_URL of "" means none: Prefect's temporary server). With `inherit=False`,
+    `env` is the whole environment (a test that decides every variable, such as which keys
+    exist)."""
     from prefect.settings import PREFECT_API_URL
 
-    full = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value()), **(env or {})}
-    if not full["PREFECT_API_URL"]:
-        del full["PREFECT_API_URL"]
+    if inherit:
+        full = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value()), **(env or {})}
+        if not full["PREFECT_API_URL"]:
+            del full["PREFECT_API_URL"]
+    else:
+        full = dict(env or {})
     return subprocess.run(
         [sys.executable, "-m", "lowtide.cli", *args],
         env=full,

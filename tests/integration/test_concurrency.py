@@ -18,7 +18,6 @@ import os
 import re
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ import pytest
 
 from lowtide.emulator import Emulator, EmulatorConfig
 from tests.conftest import REPO
-from tests.integration.conftest import start_lowtide_run, write_job
+from tests.integration.conftest import lowtide_cli, start_lowtide_run, write_job
 
 pytestmark = [
     pytest.mark.usefixtures("prefect_harness"),
@@ -50,17 +49,6 @@ def _env(emu: Emulator, **extra: str) -> dict[str, str]:
         "LOWTIDE_POLL_MAX_INTERVAL_S": "0.5",
         **extra,
     }
-
-
-def _cli(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "lowtide.cli", *args],
-        env=env,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=_BOUND_S,
-    )
 
 
 def _state(sql: str) -> list[tuple[Any, ...]]:
@@ -117,8 +105,17 @@ def test_a_second_run_and_a_collect_beside_a_run_in_flight(tmp_path: Path) -> No
         first = start_lowtide_run(job, env, tmp_path)
         try:
             _wait_for_batch(emu, first)
-            second = _cli(["run", str(job), "--backend", "emulator"], env, tmp_path)
-            collect = _cli(["collect"], env, tmp_path)
+            second = lowtide_cli(
+                "run",
+                str(job),
+                "--backend",
+                "emulator",
+                cwd=tmp_path,
+                env=env,
+                timeout=_BOUND_S,
+                inherit=False,
+            )
+            collect = lowtide_cli("collect", cwd=tmp_path, env=env, timeout=_BOUND_S, inherit=False)
             assert first.poll() is None  # the first run was in flight all along
             emu.state.clock.set_time_scale(600.0)  # let the provider finish
             out, err = first.communicate(timeout=_BOUND_S)
@@ -162,12 +159,32 @@ def test_a_held_state_file_makes_lowtide_wait_then_name_the_holder(tmp_path: Pat
         env = _env(emu, LOWTIDE_LOCK_TIMEOUT_S="2")
         holder = duckdb.connect(os.environ["LOWTIDE_STATE"])  # e.g. `duckdb .lowtide/state.duckdb`
         try:
-            held_run = _cli(["run", str(job), "--backend", "emulator"], env, tmp_path)
-            held_status = _cli(["status", "--json"], env, tmp_path)
+            held_run = lowtide_cli(
+                "run",
+                str(job),
+                "--backend",
+                "emulator",
+                cwd=tmp_path,
+                env=env,
+                timeout=_BOUND_S,
+                inherit=False,
+            )
+            held_status = lowtide_cli(
+                "status", "--json", cwd=tmp_path, env=env, timeout=_BOUND_S, inherit=False
+            )
         finally:
             holder.close()
         assert emu.ledger.executions() == []  # nothing was sent while it waited
-        released = _cli(["run", str(job), "--backend", "emulator"], env, tmp_path)
+        released = lowtide_cli(
+            "run",
+            str(job),
+            "--backend",
+            "emulator",
+            cwd=tmp_path,
+            env=env,
+            timeout=_BOUND_S,
+            inherit=False,
+        )
         assert released.returncode == 0, released.stdout + released.stderr
         checked = _consistent(emu)
     pid = f"(PID {os.getpid()})"
@@ -188,13 +205,31 @@ def test_an_analyst_holding_the_published_file_keeps_the_old_snapshot(tmp_path: 
     job = write_job(tmp_path, rows=20, eval_rows=4)
     with Emulator(EmulatorConfig(time_scale=600.0, error_rate=0.0)) as emu:
         env = _env(emu)
-        done = _cli(["run", str(job), "--backend", "emulator"], env, tmp_path)
+        done = lowtide_cli(
+            "run",
+            str(job),
+            "--backend",
+            "emulator",
+            cwd=tmp_path,
+            env=env,
+            timeout=_BOUND_S,
+            inherit=False,
+        )
         assert done.returncode == 0, done.stdout + done.stderr
         analyst = duckdb.connect(os.environ["LOWTIDE_DB"], read_only=True)
         try:
             before = analyst.execute("SELECT count(*) FROM support_intents").fetchone()
             write_job(tmp_path, rows=26, eval_rows=4)  # the input grew: a new run
-            again = _cli(["run", str(job), "--backend", "emulator"], env, tmp_path)
+            again = lowtide_cli(
+                "run",
+                str(job),
+                "--backend",
+                "emulator",
+                cwd=tmp_path,
+                env=env,
+                timeout=_BOUND_S,
+                inherit=False,
+            )
             during = analyst.execute("SELECT count(*) FROM support_intents").fetchone()
             runs_seen = analyst.execute("SELECT count(*) FROM runs").fetchone()
         finally:

@@ -39,7 +39,7 @@ from lowtide.emulator.engine import EngineConfig
 from lowtide.emulator.ledger import BillingLedger
 from lowtide.emulator.vllm_pool import start_engines
 from tests.conftest import REPO
-from tests.integration.conftest import write_job
+from tests.integration.conftest import lowtide_cli, write_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -302,17 +302,6 @@ CASES = (
 RESULTS: dict[str, dict[str, Any]] = {}
 
 
-def _cli(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "lowtide.cli", *args],
-        env=env,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_a_run_leaves_its_key_nowhere(
     case: str, tmp_path: Path, prefect_server: PrefectServer
@@ -362,13 +351,15 @@ def test_a_run_leaves_its_key_nowhere(
             else:
                 env[f"{variables}_API_KEY"] = key
             provider_calls = lambda: guard.refused if refused else guard.accepted  # noqa: E731
-        run = _cli(["run", str(job), "--backend", backend], env, tmp_path)
+        run = lowtide_cli(
+            "run", str(job), "--backend", backend, cwd=tmp_path, env=env, timeout=600, inherit=False
+        )
         outputs.append(("run", run.stdout + run.stderr))
         assert (run.returncode == 0) != ("refused" in case), run.stdout + run.stderr
         calls = provider_calls()
     assert calls > 0  # the provider was reached with the key (and, but for 401s, only with it)
 
-    status = _cli(["status", "--json"], env, tmp_path)
+    status = lowtide_cli("status", "--json", cwd=tmp_path, env=env, timeout=600, inherit=False)
     outputs.append(("status --json", status.stdout + status.stderr))
     (record,) = json.loads(status.stdout)
     run_id = record["run_id"]
@@ -377,7 +368,7 @@ def test_a_run_leaves_its_key_nowhere(
         # every row failed with the 401 as its reason (kept in the state file: scanned below)
         assert record["status"] == "completed" and record["failed"] == 24, record
         assert record["requests_sent"] == 0  # refused at the upload: nothing reached it
-        done = _cli(["status", run_id], env, tmp_path)
+        done = lowtide_cli("status", run_id, cwd=tmp_path, env=env, timeout=600, inherit=False)
         outputs.append(("status RUN", done.stdout + done.stderr))
     else:
         assert run.returncode == 0, run.stdout + run.stderr
@@ -421,7 +412,18 @@ def _inspect(
     exports = cwd / "exports"
     for fmt in ("csv", "jsonl", "parquet"):
         out = str(exports / f"run.{fmt}")
-        done = _cli(["export", run_id, "--format", fmt, "--out", out], env, cwd)
+        done = lowtide_cli(
+            "export",
+            run_id,
+            "--format",
+            fmt,
+            "--out",
+            out,
+            cwd=cwd,
+            env=env,
+            timeout=600,
+            inherit=False,
+        )
         outputs.append((f"export {fmt}", done.stdout + done.stderr))
         assert done.returncode == 0, done.stderr
     for args in (
@@ -430,7 +432,7 @@ def _inspect(
         ["qa", "export", run_id, "--out", str(exports / "qa.csv")],
         ["sql", "SELECT * FROM support_intents"],
     ):
-        done = _cli(args, env, cwd)
+        done = lowtide_cli(*args, cwd=cwd, env=env, timeout=600, inherit=False)
         outputs.append((" ".join(args[:2]), done.stdout + done.stderr))
         assert done.returncode == 0, done.stdout + done.stderr
 
