@@ -9,10 +9,11 @@ from __future__ import annotations
 import time
 from datetime import datetime
 
+import polars as pl
 from prefect import task
 
 from lowtide import progress
-from lowtide.backends.base import Backend, BatchStatus
+from lowtide.backends.base import Backend, BatchState, BatchStatus
 from lowtide.context import RunContext
 from lowtide.crashpoints import crash_point
 from lowtide.lease import LEASE_S, process_owner
@@ -29,6 +30,25 @@ def poll_once(store: Store, backend: Backend | None, run_id: str) -> tuple[int, 
     """Refresh every live batch of the run once; returns (terminal, total) batch counts.
     `backend` is None for a backend without provider batches (nothing to ask)."""
     batches = store.open_batches(run_id)
+    observed: list[tuple[str, BatchState]] = []
+    try:
+        terminal, done_requests, total_requests = _poll_round(store, backend, batches, observed)
+    finally:  # what was seen is kept even when a later poll of the round raised
+        store.record_polls(observed)
+    progress.report(
+        "batches", done_requests, total_requests, f"{terminal}/{batches.height} batches ended"
+    )
+    return terminal, batches.height
+
+
+def _poll_round(
+    store: Store,
+    backend: Backend | None,
+    batches: pl.DataFrame,
+    observed: list[tuple[str, BatchState]],
+) -> tuple[int, int, int]:
+    """Ask the provider about each live batch once, appending to `observed`; returns
+    (terminal batches, requests done, requests in all)."""
     terminal = 0
     done_requests = 0
     total_requests = 0
@@ -48,16 +68,13 @@ def poll_once(store: Store, backend: Backend | None, run_id: str) -> tuple[int, 
         if not b["provider_batch_id"] or backend is None:
             continue
         state = backend.poll(b["provider_batch_id"])
-        store.record_poll(b["batch_id"], state)
+        observed.append((b["batch_id"], state))
         if state.status.terminal:
             terminal += 1
             done_requests += b["n_requests"]
         else:
             done_requests += min(state.done or 0, b["n_requests"])
-    progress.report(
-        "batches", done_requests, total_requests, f"{terminal}/{batches.height} batches ended"
-    )
-    return terminal, batches.height
+    return terminal, done_requests, total_requests
 
 
 @task(

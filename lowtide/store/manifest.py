@@ -32,6 +32,20 @@ LINE_SQL = (
 """A request's line: stored whole (re-asks), or rebuilt from its template and message."""
 
 
+def _poll_fields(state: Any) -> dict[str, Any]:
+    """The batch columns one observation (`BatchState`) sets."""
+    return {
+        "status": state.status.value,
+        "provider_status": state.provider_status,
+        "output_file_id": state.output_file_id,
+        "error_file_id": state.error_file_id,
+        "result_ref": state.result_ref,
+        "request_counts": orjson.dumps(state.counts).decode(),
+        "errors": orjson.dumps(state.errors).decode() if state.errors else None,
+        "usage": orjson.dumps(state.usage).decode() if state.usage else None,
+    }
+
+
 def _errors_json(code: str, message: str) -> str:
     return orjson.dumps([{"code": code, "message": message}]).decode()
 
@@ -253,17 +267,21 @@ class ManifestStore(Database):
 
     def record_poll(self, batch_id: str, state: Any) -> None:
         """Store one observation of a provider batch (`BatchState`)."""
-        self._batch(
-            batch_id,
-            status=state.status.value,
-            provider_status=state.provider_status,
-            output_file_id=state.output_file_id,
-            error_file_id=state.error_file_id,
-            result_ref=state.result_ref,
-            request_counts=orjson.dumps(state.counts).decode(),
-            errors=orjson.dumps(state.errors).decode() if state.errors else None,
-            usage=orjson.dumps(state.usage).decode() if state.usage else None,
-        )
+        self.record_polls([(batch_id, state)])
+
+    def record_polls(self, observations: list[tuple[str, Any]]) -> None:
+        """Store one poll round's observations (batch id, `BatchState`) in one transaction:
+        a round over many batches opens the state file once, not once per batch."""
+        if not observations:
+            return
+        fields = [_poll_fields(state) for _, state in observations]
+        sets = self._set_clause("batches", fields[0])
+        with self._transaction() as con:
+            for (batch_id, _), values in zip(observations, fields, strict=True):
+                con.execute(
+                    f"UPDATE batches SET {sets}, updated_at = now() WHERE batch_id = ?",
+                    [*values.values(), batch_id],
+                )
 
     def fail_batch(self, batch_id: str, code: str, message: str) -> None:
         """The batch ended without being answered (refused, interrupted); its requests end
