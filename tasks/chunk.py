@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from functools import lru_cache
+from importlib import metadata
 from typing import Protocol
 
 import polars as pl
@@ -100,9 +101,20 @@ class CutMemo(Protocol):
     def remember_chunk_cuts(self, budget: str, cuts: pl.DataFrame) -> None: ...
 
 
+CUTS_VERSION = 1
+"""Version of the cutting recipe (`split_spans`, `_EDGE_TOKENS`, the tokenizer's slicing): bump
+it when any of them changes, so remembered cuts are not reused."""
+
+
+@lru_cache(maxsize=1)
+def _tokenizer_version() -> str:
+    return metadata.version("bpe-openai")
+
+
 def budget_key(max_tokens: int, overlap: int, encoding: str) -> str:
-    """What a text's cuts depend on besides the text."""
-    return f"{encoding}:{max_tokens}:{overlap}"
+    """What a text's cuts depend on besides the text: the recipe, the tokenizer's version, the
+    vocabulary and the budget."""
+    return f"v{CUTS_VERSION}:bpe-openai {_tokenizer_version()}:{encoding}:{max_tokens}:{overlap}"
 
 
 def long_text_cuts(
@@ -173,16 +185,20 @@ def chunk_units(
         )
         if mode == "truncate":
             cuts = cuts.with_columns(pl.all().list.head(1))
+        # private names: an input column may be called `starts` or `tokens`
+        cuts = cuts.select(pl.all().name.prefix("_cut_"))
         exploded = (
             pl.concat([long_rows, cuts], how="horizontal")
             .with_columns(
-                pl.col("starts").list.len().cast(pl.Int32).alias("n_chunks"),
-                pl.int_ranges(0, pl.col("starts").list.len(), dtype=pl.Int32).alias("chunk_index"),
+                pl.col("_cut_starts").list.len().cast(pl.Int32).alias("n_chunks"),
+                pl.int_ranges(0, pl.col("_cut_starts").list.len(), dtype=pl.Int32).alias(
+                    "chunk_index"
+                ),
             )
-            .explode("starts", "lengths", "tokens", "chunk_index")
+            .explode("_cut_starts", "_cut_lengths", "_cut_tokens", "chunk_index")
             .with_columns(
-                pl.col("text").str.slice(pl.col("starts"), pl.col("lengths")),
-                pl.col("tokens").alias("unit_tokens"),
+                pl.col("text").str.slice(pl.col("_cut_starts"), pl.col("_cut_lengths")),
+                pl.col("_cut_tokens").alias("unit_tokens"),
             )
         )
         short = pl.concat([short, exploded.select(short.columns)], how="vertical")

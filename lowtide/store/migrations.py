@@ -315,7 +315,7 @@ MIGRATIONS.append(
         """
         CREATE TABLE chunk_cuts (
             text_md5 VARCHAR NOT NULL,        -- md5 of the row's text
-            budget VARCHAR NOT NULL,          -- encoding:max_tokens:overlap
+            budget VARCHAR NOT NULL,          -- recipe, tokenizer version, encoding, budget
             starts INTEGER[] NOT NULL,        -- each piece's first character
             lengths INTEGER[] NOT NULL,       -- each piece's length in characters
             tokens INTEGER[] NOT NULL,        -- each piece's token count

@@ -144,3 +144,20 @@ def test_a_memo_cuts_each_long_text_once_across_runs(
     encoded.clear()  # another budget is another cut
     chunk_units(first.head(1), max_tokens=120, overlap=8, memo=store)
     assert encoded == ["word " * 300]
+
+
+def test_input_columns_named_like_the_cut_columns_travel_untouched() -> None:
+    rows = pl.DataFrame(
+        {
+            "source_id": ["a", "b"],
+            "text": ["word " * 300, "hi"],
+            "starts": [7, 8],
+            "lengths": ["x", "y"],
+            "tokens": [1.5, 2.5],
+        }
+    )
+    units = chunk_units(rows, max_tokens=100).sort("source_id", "chunk_index")
+    a = units.filter(pl.col("source_id") == "a")
+    assert a.height > 1 and "".join(a["text"].to_list()) == "word " * 300
+    assert set(a["starts"].to_list()) == {7} and set(a["tokens"].to_list()) == {1.5}
+    assert units.filter(pl.col("source_id") == "b")["lengths"].to_list() == ["y"]
