@@ -104,19 +104,18 @@ def prepare(ctx: RunContext, run_id: str) -> None:
     loaded = load_task(ctx, run_id)
     progress.report("chunk")
     chunked = chunk_task(ctx, run_id, loaded)
-    with ctx.store.held():  # from here on, back-to-back store work
-        progress.report("dedupe")
-        deduped = dedupe_task(ctx, run_id, chunked)
-        ctx.store.record_prepared(
-            run_id,
-            rows=loaded["rows"],
-            units=deduped["row_units"],
-            unique_requests=deduped["unique_requests"],
-            cache_hits=deduped["cache_hits"],
-        )
-        progress.report("assemble")
-        plan = assemble_task(ctx, run_id, deduped)
-        ctx.store.record_estimate(run_id, plan["estimate_usd"])
+    progress.report("dedupe")
+    deduped = dedupe_task(ctx, run_id, chunked)
+    ctx.store.record_prepared(
+        run_id,
+        rows=loaded["rows"],
+        units=deduped["row_units"],
+        unique_requests=deduped["unique_requests"],
+        cache_hits=deduped["cache_hits"],
+    )
+    progress.report("assemble")
+    plan = assemble_task(ctx, run_id, deduped)
+    ctx.store.record_estimate(run_id, plan["estimate_usd"])
 
 
 def advance(ctx: RunContext, run_id: str, wait: bool, until: datetime | None = None) -> bool:
@@ -139,8 +138,10 @@ def advance(ctx: RunContext, run_id: str, wait: bool, until: datetime | None = N
 
 def finish(ctx: RunContext, run_id: str) -> None:
     """qa → reconcile → finalize → publish, for a run whose requests all have final outcomes."""
-    with ctx.store.held():  # every step here is store work, back to back
-        progress.report("qa")
+    progress.report("qa")
+    # qa → reconcile → finalize are short SQL steps back to back (about twenty state-file opens);
+    # publishing, the long one, is left unheld so other processes get in while it builds
+    with ctx.store.held():
         qa = qa_task(ctx, run_id)
         cost = reconcile_task(ctx, run_id)
         counts = finalize_task(ctx, run_id)
@@ -155,8 +156,8 @@ def finish(ctx: RunContext, run_id: str) -> None:
             naive_cost_usd=cost["naive_cost_usd"],
         )
         ctx.store.record_paid_twice(run_id)  # a route's step: what switching engines cost
-        progress.report("publish")
-        publish_task(ctx, run_id)
+    progress.report("publish")
+    publish_task(ctx, run_id)
     if not ctx.keep_work_dir:
         # everything the run needs is in the state file now; its parquet files only took space
         shutil.rmtree(ctx.work_dir(run_id), ignore_errors=True)

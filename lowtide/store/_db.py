@@ -59,7 +59,9 @@ class Database:
         own connection, and opening the file when no connection to it is open in the process
         starts DuckDB afresh (measured: ~45 ms of CPU, building its catalog of functions); while
         one is held, opening costs ~1 ms. Other processes wait while the file is held, so hold
-        it around store work only, never around a wait on a provider or a long computation."""
+        it around short store work only, never around a wait on a provider or a long
+        computation. One thread per stretch: a thread that joins another's stretch runs unheld
+        once that one ends (slower, never wrong)."""
         with self._holds_lock:
             self._holds += 1
             first = self._holds == 1
