@@ -1,11 +1,14 @@
 """poll: batches → terminal status, with exponential backoff; never the only copy of any fact.
 
-Every observation is written to the store, so a killed poller loses nothing: the next run or a
-scheduled `collect` picks up from the stored provider ids.
+Every poll round's observations are written to the store in one transaction at its end (a
+round over many batches opens the state file once). A poller killed mid-round loses only that
+round's observations, which the next round asks again: the provider ids were stored before any
+poll, so the next run or a scheduled `collect` picks up from them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from datetime import datetime
 
@@ -33,8 +36,13 @@ def poll_once(store: Store, backend: Backend | None, run_id: str) -> tuple[int, 
     observed: list[tuple[str, BatchState]] = []
     try:
         terminal, done_requests, total_requests = _poll_round(store, backend, batches, observed)
-    finally:  # what was seen is kept even when a later poll of the round raised
-        store.record_polls(observed)
+    except BaseException:
+        # keep what was seen before the failing poll, but let the poll's own error (which
+        # decides whether the task retries) be the one raised
+        with contextlib.suppress(Exception):
+            store.record_polls(observed)
+        raise
+    store.record_polls(observed)
     progress.report(
         "batches", done_requests, total_requests, f"{terminal}/{batches.height} batches ended"
     )
