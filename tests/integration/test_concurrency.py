@@ -51,6 +51,11 @@ def _env(emu: Emulator, **extra: str) -> dict[str, str]:
     }
 
 
+def _cli(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """The shared `lowtide_cli` with this module's environment as the whole one, bounded."""
+    return lowtide_cli(*args, cwd=cwd, env=env, timeout=_BOUND_S, inherit=False)
+
+
 def _state(sql: str) -> list[tuple[Any, ...]]:
     con = duckdb.connect(os.environ["LOWTIDE_STATE"], read_only=True)
     try:
@@ -105,17 +110,8 @@ def test_a_second_run_and_a_collect_beside_a_run_in_flight(tmp_path: Path) -> No
         first = start_lowtide_run(job, env, tmp_path)
         try:
             _wait_for_batch(emu, first)
-            second = lowtide_cli(
-                "run",
-                str(job),
-                "--backend",
-                "emulator",
-                cwd=tmp_path,
-                env=env,
-                timeout=_BOUND_S,
-                inherit=False,
-            )
-            collect = lowtide_cli("collect", cwd=tmp_path, env=env, timeout=_BOUND_S, inherit=False)
+            second = _cli("run", str(job), "--backend", "emulator", env=env, cwd=tmp_path)
+            collect = _cli("collect", env=env, cwd=tmp_path)
             assert first.poll() is None  # the first run was in flight all along
             emu.state.clock.set_time_scale(600.0)  # let the provider finish
             out, err = first.communicate(timeout=_BOUND_S)
@@ -159,32 +155,12 @@ def test_a_held_state_file_makes_lowtide_wait_then_name_the_holder(tmp_path: Pat
         env = _env(emu, LOWTIDE_LOCK_TIMEOUT_S="2")
         holder = duckdb.connect(os.environ["LOWTIDE_STATE"])  # e.g. `duckdb .lowtide/state.duckdb`
         try:
-            held_run = lowtide_cli(
-                "run",
-                str(job),
-                "--backend",
-                "emulator",
-                cwd=tmp_path,
-                env=env,
-                timeout=_BOUND_S,
-                inherit=False,
-            )
-            held_status = lowtide_cli(
-                "status", "--json", cwd=tmp_path, env=env, timeout=_BOUND_S, inherit=False
-            )
+            held_run = _cli("run", str(job), "--backend", "emulator", env=env, cwd=tmp_path)
+            held_status = _cli("status", "--json", env=env, cwd=tmp_path)
         finally:
             holder.close()
         assert emu.ledger.executions() == []  # nothing was sent while it waited
-        released = lowtide_cli(
-            "run",
-            str(job),
-            "--backend",
-            "emulator",
-            cwd=tmp_path,
-            env=env,
-            timeout=_BOUND_S,
-            inherit=False,
-        )
+        released = _cli("run", str(job), "--backend", "emulator", env=env, cwd=tmp_path)
         assert released.returncode == 0, released.stdout + released.stderr
         checked = _consistent(emu)
     pid = f"(PID {os.getpid()})"
@@ -205,31 +181,13 @@ def test_an_analyst_holding_the_published_file_keeps_the_old_snapshot(tmp_path: 
     job = write_job(tmp_path, rows=20, eval_rows=4)
     with Emulator(EmulatorConfig(time_scale=600.0, error_rate=0.0)) as emu:
         env = _env(emu)
-        done = lowtide_cli(
-            "run",
-            str(job),
-            "--backend",
-            "emulator",
-            cwd=tmp_path,
-            env=env,
-            timeout=_BOUND_S,
-            inherit=False,
-        )
+        done = _cli("run", str(job), "--backend", "emulator", env=env, cwd=tmp_path)
         assert done.returncode == 0, done.stdout + done.stderr
         analyst = duckdb.connect(os.environ["LOWTIDE_DB"], read_only=True)
         try:
             before = analyst.execute("SELECT count(*) FROM support_intents").fetchone()
             write_job(tmp_path, rows=26, eval_rows=4)  # the input grew: a new run
-            again = lowtide_cli(
-                "run",
-                str(job),
-                "--backend",
-                "emulator",
-                cwd=tmp_path,
-                env=env,
-                timeout=_BOUND_S,
-                inherit=False,
-            )
+            again = _cli("run", str(job), "--backend", "emulator", env=env, cwd=tmp_path)
             during = analyst.execute("SELECT count(*) FROM support_intents").fetchone()
             runs_seen = analyst.execute("SELECT count(*) FROM runs").fetchone()
         finally:

@@ -302,6 +302,12 @@ CASES = (
 RESULTS: dict[str, dict[str, Any]] = {}
 
 
+def _cli(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """The shared `lowtide_cli` with the case's environment as the whole one (which keys exist
+    is the point of these tests)."""
+    return lowtide_cli(*args, cwd=cwd, env=env, timeout=600, inherit=False)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_a_run_leaves_its_key_nowhere(
     case: str, tmp_path: Path, prefect_server: PrefectServer
@@ -351,15 +357,13 @@ def test_a_run_leaves_its_key_nowhere(
             else:
                 env[f"{variables}_API_KEY"] = key
             provider_calls = lambda: guard.refused if refused else guard.accepted  # noqa: E731
-        run = lowtide_cli(
-            "run", str(job), "--backend", backend, cwd=tmp_path, env=env, timeout=600, inherit=False
-        )
+        run = _cli("run", str(job), "--backend", backend, env=env, cwd=tmp_path)
         outputs.append(("run", run.stdout + run.stderr))
         assert (run.returncode == 0) != ("refused" in case), run.stdout + run.stderr
         calls = provider_calls()
     assert calls > 0  # the provider was reached with the key (and, but for 401s, only with it)
 
-    status = lowtide_cli("status", "--json", cwd=tmp_path, env=env, timeout=600, inherit=False)
+    status = _cli("status", "--json", env=env, cwd=tmp_path)
     outputs.append(("status --json", status.stdout + status.stderr))
     (record,) = json.loads(status.stdout)
     run_id = record["run_id"]
@@ -368,7 +372,7 @@ def test_a_run_leaves_its_key_nowhere(
         # every row failed with the 401 as its reason (kept in the state file: scanned below)
         assert record["status"] == "completed" and record["failed"] == 24, record
         assert record["requests_sent"] == 0  # refused at the upload: nothing reached it
-        done = lowtide_cli("status", run_id, cwd=tmp_path, env=env, timeout=600, inherit=False)
+        done = _cli("status", run_id, env=env, cwd=tmp_path)
         outputs.append(("status RUN", done.stdout + done.stderr))
     else:
         assert run.returncode == 0, run.stdout + run.stderr
@@ -412,18 +416,7 @@ def _inspect(
     exports = cwd / "exports"
     for fmt in ("csv", "jsonl", "parquet"):
         out = str(exports / f"run.{fmt}")
-        done = lowtide_cli(
-            "export",
-            run_id,
-            "--format",
-            fmt,
-            "--out",
-            out,
-            cwd=cwd,
-            env=env,
-            timeout=600,
-            inherit=False,
-        )
+        done = _cli("export", run_id, "--format", fmt, "--out", out, env=env, cwd=cwd)
         outputs.append((f"export {fmt}", done.stdout + done.stderr))
         assert done.returncode == 0, done.stderr
     for args in (
@@ -432,7 +425,7 @@ def _inspect(
         ["qa", "export", run_id, "--out", str(exports / "qa.csv")],
         ["sql", "SELECT * FROM support_intents"],
     ):
-        done = lowtide_cli(*args, cwd=cwd, env=env, timeout=600, inherit=False)
+        done = _cli(*args, env=env, cwd=cwd)
         outputs.append((" ".join(args[:2]), done.stdout + done.stderr))
         assert done.returncode == 0, done.stdout + done.stderr
 
