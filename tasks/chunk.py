@@ -77,20 +77,13 @@ def split_spans(
     return spans
 
 
-def split_counted(
-    text: str, max_tokens: int, overlap: int = 0, encoding: str = "o200k_base"
-) -> list[tuple[str, int]]:
-    """The pieces of `split_spans` as (text, token count) pairs."""
-    return [(text[s : s + n], t) for s, n, t in split_spans(text, max_tokens, overlap, encoding)]
-
-
 def split_text(
     text: str, max_tokens: int, overlap: int = 0, encoding: str = "o200k_base"
 ) -> list[str]:
-    """The pieces of `split_counted` without their counts."""
+    """The pieces of `split_spans` as text."""
     if len(text.encode("utf-8")) <= max_tokens:
         return [text]
-    return [piece for piece, _ in split_counted(text, max_tokens, overlap, encoding)]
+    return [text[s : s + n] for s, n, _ in split_spans(text, max_tokens, overlap, encoding)]
 
 
 class CutMemo(Protocol):

@@ -265,10 +265,6 @@ class ManifestStore(Database):
             sent_at=_sent_now(),
         )
 
-    def record_poll(self, batch_id: str, state: Any) -> None:
-        """Store one observation of a provider batch (`BatchState`)."""
-        self.record_polls([(batch_id, state)])
-
     def record_polls(self, observations: list[tuple[str, Any]]) -> None:
         """Store one poll round's observations (batch id, `BatchState`) in one transaction:
         a round over many batches opens the state file once, not once per batch."""
