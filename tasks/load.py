@@ -18,7 +18,6 @@ from lowtide.errors import InputError
 from lowtide.jobspec import JobSpec
 from lowtide.runlog import stage_log
 from lowtide.store.compute import read_duckdb_table
-from lowtide.store.publish import source_table
 
 EVAL_FILE = "eval.parquet"
 """The eval set as loaded, in the run's work dir; qa reads it back instead of the source file."""
@@ -356,7 +355,7 @@ def load_task(ctx: RunContext, run_id: str) -> dict:
     work_dir = ctx.work_dir(run_id)
     rows.write_parquet(work_dir / "sources.parquet")
     ctx.store.save_sources(
-        source_table(job.view_name),
+        job.view_name,
         run_id,
         # _priority steers sending only; analysts never see it
         rows.drop(PRIORITY, strict=False).rename({"text": job.input.text_column}),

@@ -12,6 +12,7 @@ from lowtide.store.reports import EXPORT_FORMATS, ReportsStore
 from lowtide.store.results import ResultsStore
 from lowtide.store.route import RouteStore
 from lowtide.store.runs import now
+from lowtide.store.sources import SourcesStore
 from lowtide.store.unchanged import UnchangedStore
 
 
@@ -24,6 +25,7 @@ class Store(
     CursorStore,
     RouteStore,
     ChunkCutsStore,
+    SourcesStore,
 ):
     """The state file. Each public method is one short transaction, named for its purpose."""
 

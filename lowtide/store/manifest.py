@@ -13,7 +13,6 @@ import orjson
 import polars as pl
 
 from lowtide.store._db import Database, frame
-from lowtide.store._sql import ident
 from lowtide.store.runs import now as _sent_now
 from lowtide.vocabulary import (
     ANSWERED,
@@ -62,37 +61,7 @@ requests: what dedupe attached to instead of sending again."""
 
 
 class ManifestStore(Database):
-    # -- sources and units -----------------------------------------------------------------------
-    def save_sources(self, table: str, run_id: str, rows: pl.DataFrame) -> None:
-        """Keep the run's input rows (typed) so the job view can show them next to outputs."""
-        with self._transaction() as con:
-            con.register("incoming", rows)
-            con.execute(
-                f"CREATE TABLE IF NOT EXISTS {ident(table)} AS "
-                "SELECT ?::VARCHAR AS run_id, * FROM incoming LIMIT 0",
-                [run_id],
-            )
-            # an input that gained columns since earlier runs: widen the table (old rows: NULL)
-            have = {
-                r[0]
-                for r in con.execute(
-                    "SELECT column_name FROM duckdb_columns() WHERE table_name = ?", [table]
-                ).fetchall()
-            }
-            types = dict(
-                con.execute("SELECT column_name, column_type FROM (DESCRIBE incoming)").fetchall()
-            )
-            for column in rows.columns:
-                if column not in have:
-                    con.execute(
-                        f"ALTER TABLE {ident(table)} ADD COLUMN {ident(column)} {types[column]}"
-                    )
-            con.execute(f"DELETE FROM {ident(table)} WHERE run_id = ?", [run_id])
-            con.execute(
-                f"INSERT INTO {ident(table)} BY NAME SELECT ?::VARCHAR AS run_id, * FROM incoming",
-                [run_id],
-            )
-
+    # -- units ---------------------------------------------------------------------------------
     def save_units(self, run_id: str, units: pl.DataFrame) -> None:
         with self._transaction() as con:
             con.register("incoming", units)

@@ -6,11 +6,13 @@ old, to the latest version and records each step in `schema_version`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import duckdb
 
 from lowtide.errors import StateTooNewError
 
-MIGRATIONS: list[tuple[int, str, str]] = [
+MIGRATIONS: list[tuple[int, str, str | Callable[[duckdb.DuckDBPyConnection], None]]] = [
     (
         1,
         "initial tables",
@@ -325,6 +327,21 @@ MIGRATIONS.append(
     )
 )
 
+
+def _store_sources_once(con: duckdb.DuckDBPyConnection) -> None:
+    from lowtide.store.sources import split_copied_sources  # here: it needs the store's parts
+
+    split_copied_sources(con)
+
+
+MIGRATIONS.append(
+    (
+        14,
+        "a job's input rows stored once, with which runs read them (not a copy per run)",
+        _store_sources_once,
+    )
+)
+
 LATEST = MIGRATIONS[-1][0]
 
 
@@ -349,7 +366,10 @@ def apply(con: duckdb.DuckDBPyConnection) -> int:
         if number <= version:
             continue
         con.execute("BEGIN")
-        con.execute(sql)
+        if callable(sql):  # a step that depends on what the file holds (e.g. each job's tables)
+            sql(con)
+        else:
+            con.execute(sql)
         con.execute("INSERT INTO schema_version VALUES (?, ?, now())", [number, description])
         con.execute("COMMIT")
         version = number

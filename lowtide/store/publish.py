@@ -19,6 +19,7 @@ from lowtide.errors import PublishError
 from lowtide.output_fields import default_reduce, json_type
 from lowtide.store._sql import ident, json_path, literal, literal_list
 from lowtide.store.runs import RunsStore
+from lowtide.store.sources import MEMBERS, content_table, source_table, source_view_sql
 from lowtide.vocabulary import ANSWERED
 
 PIPELINE_TABLES = (
@@ -36,6 +37,7 @@ PIPELINE_TABLES = (
     "eval_scores",
     "costs",
     "metrics",
+    MEMBERS,
 )
 
 _ANSWERED = literal_list(ANSWERED)
@@ -288,10 +290,6 @@ LEFT JOIN results r ON r.custom_id = u.custom_id
 summed per run it equals the run's cost of the requests its units used."""
 
 
-def source_table(view: str) -> str:
-    return f"src_{view}"
-
-
 class PublishingStore(RunsStore):
     def publish(self, db_path: str | Path, showing: str | None = None) -> Path:
         """Write a fresh published file from the state file and swap it in atomically; every
@@ -342,12 +340,14 @@ class PublishingStore(RunsStore):
         try:
             pub.execute(ROW_COSTS_VIEW)
             for job in jobs:
-                src = source_table(job["view"])
                 has_src = pub.execute(
-                    "SELECT count(*) FROM duckdb_tables() WHERE table_name = ?", [src]
+                    "SELECT count(*) FROM duckdb_tables() WHERE table_name = ?",
+                    [content_table(job["view"])],
                 ).fetchall()[0]
                 if not has_src or not has_src[0]:
                     continue
+                src = source_table(job["view"])
+                pub.execute(source_view_sql(job["view"]))
                 pub.execute(
                     job_view_sql(
                         job["job"],

@@ -14,8 +14,9 @@ import polars as pl
 
 from lowtide.errors import UserError
 from lowtide.store._sql import ident, json_path, literal
-from lowtide.store.publish import PublishingStore, job_rows_sql, source_table
+from lowtide.store.publish import PublishingStore, job_rows_sql
 from lowtide.store.route import RouteStore
+from lowtide.store.sources import source_table
 from lowtide.vocabulary import ANSWERED
 
 _COPY_FORMAT = {

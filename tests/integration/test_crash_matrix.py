@@ -179,9 +179,13 @@ _KEYS = {
 }
 
 
-def _duplicates(state: str, src_table: str) -> dict[str, int]:
+def _duplicates(state: str, view: str) -> dict[str, int]:
     """Per table of the state file: rows that repeat another row, or repeat its key."""
-    keys = {**_KEYS, src_table: "run_id, source_id"}
+    keys = {
+        **_KEYS,
+        "run_sources": "view, run_id, source_id",
+        f"src_{view}-rows": "source_id, row_key",
+    }
     tables = query(
         state,
         "SELECT table_name FROM duckdb_tables() WHERE database_name = current_database()",
@@ -300,7 +304,7 @@ def test_crash_then_resume(
     assert isinstance(view, pl.DataFrame)
     shown = set(view.filter(pl.col("outcome").is_not_null())["id"])
     rows_lost = len(input_ids - shown)
-    duplicates = _duplicates(state, f"src_{spec.view_name}")
+    duplicates = _duplicates(state, spec.view_name)
     new_run = summary["run_id"] != crashed_run["run_id"]
     notes = []
     if new_run:

@@ -7,7 +7,6 @@ import orjson
 import polars as pl
 
 from lowtide.store import Store
-from lowtide.store.publish import source_table
 from tests.sql import query
 
 SCHEMA = {
@@ -33,7 +32,7 @@ def _seed(store: Store, run_id: str, label: str) -> None:
         input_fingerprint="i",
     )
     store.save_sources(
-        source_table("my_job"),
+        "my_job",
         run_id,
         pl.DataFrame({"source_id": ["d1"], "body": ["hello"], "lang": ["en"]}),
     )
@@ -122,9 +121,9 @@ def test_publishing_swaps_the_file_while_a_reader_holds_the_old_one(tmp_path: Pa
 
 def test_sources_table_widens_when_the_input_gains_a_column(tmp_path: Path) -> None:
     store = Store(tmp_path / "state.duckdb")
-    store.save_sources("src_x", "r1", pl.DataFrame({"source_id": ["a"], "body": ["hi"]}))
+    store.save_sources("x", "r1", pl.DataFrame({"source_id": ["a"], "body": ["hi"]}))
     store.save_sources(
-        "src_x", "r2", pl.DataFrame({"source_id": ["a"], "body": ["hi"], "lang": ["en"]})
+        "x", "r2", pl.DataFrame({"source_id": ["a"], "body": ["hi"], "lang": ["en"]})
     )
     rows = query(store, "SELECT run_id, lang FROM src_x ORDER BY run_id").rows()
     assert rows == [("r1", None), ("r2", "en")]

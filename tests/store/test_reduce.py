@@ -12,7 +12,6 @@ import polars as pl
 import pytest
 
 from lowtide.store import Store
-from lowtide.store.publish import source_table
 
 SCHEMA = {
     "type": "object",
@@ -69,7 +68,7 @@ def _publish(tmp_path: Path, reduce: dict[str, str]) -> duckdb.DuckDBPyConnectio
         input_fingerprint="i",
     )
     ids = sorted({c[0] for c in CHUNKS})
-    store.save_sources(source_table("tickets"), "r1", pl.DataFrame({"source_id": ids, "body": ids}))
+    store.save_sources("tickets", "r1", pl.DataFrame({"source_id": ids, "body": ids}))
     n_chunks = {i: sum(1 for c in CHUNKS if c[0] == i) for i in ids}
     store.save_units(
         "r1",

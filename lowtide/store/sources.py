@@ -1,0 +1,129 @@
+"""A job's input rows, stored once however many runs read them.
+
+`src_<view>-rows` holds each distinct input row (its `source_id` and values) once, under
+`row_key`, a hash of its values and column names. `run_sources` says which of those rows each run
+read. The view `src_<view>` joins the two back into one row per run and input row: what the job
+view, QA and exports read, and what analysts query. A night that changed 1% of its input adds
+the membership of every row (three short columns) and the content of the 1% only; before, each
+run stored a full copy of its input.
+
+The hyphen in `src_<view>-rows` is a character no view name can hold (job names become view
+names with `-` turned into `_`), so no job's tables can collide with another's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import duckdb
+
+from lowtide.store._db import Database
+from lowtide.store._sql import ident, literal
+
+if TYPE_CHECKING:
+    import polars as pl
+
+MEMBERS = "run_sources"
+
+
+def source_table(view: str) -> str:
+    """The view of the input rows each run read: (run_id, source_id, the input's columns)."""
+    return f"src_{view}"
+
+
+def content_table(view: str) -> str:
+    """The table holding each distinct input row of the job once."""
+    return f"src_{view}-rows"
+
+
+def row_key_sql(columns: Iterable[str]) -> str:
+    """A row's key: DuckDB's hash of its values and column names, in sorted column order (so an
+    input whose columns move keeps its keys). Keys are compared together with `source_id`, so
+    only two versions of one row could ever collide."""
+    names = sorted(columns)
+    values = ", ".join(ident(c) for c in names)
+    return f"hash({values}, {literal(chr(31).join(names))})"
+
+
+def source_view_sql(view: str) -> str:
+    return (
+        f"CREATE OR REPLACE VIEW {ident(source_table(view))} AS "
+        f"SELECT m.run_id, s.* EXCLUDE (row_key) FROM {MEMBERS} m "
+        f"JOIN {ident(content_table(view))} s USING (source_id, row_key) "
+        f"WHERE m.view = {literal(view)}"
+    )
+
+
+def _columns(con: duckdb.DuckDBPyConnection, table: str) -> list[str]:
+    return [
+        r[0]
+        for r in con.execute(
+            "SELECT column_name FROM duckdb_columns() WHERE database_name = current_database() "
+            "AND schema_name = 'main' AND table_name = ? ORDER BY column_index",
+            [table],
+        ).fetchall()
+    ]
+
+
+def split_copied_sources(con: duckdb.DuckDBPyConnection) -> None:
+    """Migration 14: turn each per-run copy `src_<view>` (run_id, source_id, ...) into distinct
+    rows, their membership and the view of the same name."""
+    con.execute(
+        f"CREATE TABLE {MEMBERS} (view VARCHAR NOT NULL, run_id VARCHAR NOT NULL, "
+        "source_id VARCHAR NOT NULL, row_key UBIGINT NOT NULL)"
+    )
+    tables = con.execute(
+        "SELECT table_name FROM duckdb_tables() WHERE database_name = current_database() "
+        "AND schema_name = 'main' AND starts_with(table_name, 'src_')"
+    ).fetchall()
+    for (table,) in tables:
+        columns = _columns(con, table)
+        if "run_id" not in columns or "source_id" not in columns:
+            continue
+        view = table.removeprefix("src_")
+        kept = [c for c in columns if c != "run_id"]
+        key = row_key_sql(kept)
+        con.execute(
+            f"INSERT INTO {MEMBERS} SELECT {literal(view)}, run_id, source_id, {key} "
+            f"FROM {ident(table)}"
+        )
+        listed = ", ".join(ident(c) for c in kept)
+        con.execute(
+            f"CREATE TABLE {ident(content_table(view))} AS SELECT DISTINCT ON (source_id, row_key) "
+            f"* FROM (SELECT {key} AS row_key, {listed} FROM {ident(table)})"
+        )
+        con.execute(f"DROP TABLE {ident(table)}")
+        con.execute(source_view_sql(view))
+
+
+class SourcesStore(Database):
+    def save_sources(self, view: str, run_id: str, rows: pl.DataFrame) -> None:
+        """Keep the run's input rows (typed) so the job view can show them next to outputs:
+        the run's membership, and the rows no earlier run stored."""
+        content = ident(content_table(view))
+        key = row_key_sql(rows.columns)
+        with self._transaction() as con:
+            con.register("incoming", rows)
+            con.execute(
+                f"CREATE TABLE IF NOT EXISTS {content} AS "
+                "SELECT 0::UBIGINT AS row_key, * FROM incoming LIMIT 0"
+            )
+            # an input that gained columns since earlier runs: widen the table (old rows: NULL)
+            have = set(_columns(con, content_table(view)))
+            types = dict(
+                con.execute("SELECT column_name, column_type FROM (DESCRIBE incoming)").fetchall()
+            )
+            for column in rows.columns:
+                if column not in have:
+                    con.execute(f"ALTER TABLE {content} ADD COLUMN {ident(column)} {types[column]}")
+            con.execute(source_view_sql(view))
+            con.execute(f"DELETE FROM {MEMBERS} WHERE view = ? AND run_id = ?", [view, run_id])
+            con.execute(
+                f"INSERT INTO {MEMBERS} SELECT ?, ?, source_id, {key} FROM incoming", [view, run_id]
+            )
+            con.execute(
+                f"INSERT INTO {content} BY NAME SELECT n.* FROM "
+                f"(SELECT {key} AS row_key, * FROM incoming) n "
+                f"ANTI JOIN {content} s ON s.source_id = n.source_id AND s.row_key = n.row_key"
+            )

@@ -1,0 +1,80 @@
+"""A job's input rows are stored once however many runs read them; `src_<view>` still shows
+one row per run and input row."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+import polars as pl
+
+from lowtide.store import Store, migrations
+from tests.sql import query, scalar
+
+
+def _rows(store: Store, run_id: str) -> list[tuple]:
+    return query(
+        store,
+        "SELECT source_id, body, lang FROM src_x WHERE run_id = ? ORDER BY source_id",
+        [run_id],
+    ).rows()
+
+
+def test_runs_reading_the_same_rows_store_each_row_once(tmp_path: Path) -> None:
+    store = Store(tmp_path / "state.duckdb")
+    first = pl.DataFrame(
+        {"source_id": ["a", "b", "c"], "body": ["one", "two", "three"], "lang": ["en"] * 3}
+    )
+    store.save_sources("x", "r1", first)
+    store.save_sources("x", "r2", first.select("lang", "body", "source_id"))  # columns moved
+    assert scalar(store, 'SELECT count(*) FROM "src_x-rows"') == 3
+
+    changed = pl.DataFrame(
+        {"source_id": ["a", "b", "d"], "body": ["one", "TWO", "four"], "lang": ["en"] * 3}
+    )
+    store.save_sources("x", "r3", changed)
+    assert scalar(store, 'SELECT count(*) FROM "src_x-rows"') == 5  # + b's new text, + d
+
+    assert _rows(store, "r1") == [("a", "one", "en"), ("b", "two", "en"), ("c", "three", "en")]
+    assert _rows(store, "r2") == _rows(store, "r1")
+    assert _rows(store, "r3") == [("a", "one", "en"), ("b", "TWO", "en"), ("d", "four", "en")]
+
+    store.save_sources("x", "r3", changed.head(1))  # a resumed run saving again replaces its own
+    assert _rows(store, "r3") == [("a", "one", "en")]
+    assert _rows(store, "r1")[1] == ("b", "two", "en")
+
+
+def test_a_state_file_from_before_keeps_every_runs_rows(tmp_path: Path) -> None:
+    """Migration 14 turns the per-run copies into distinct rows and membership."""
+    path = tmp_path / "state.duckdb"
+    con = duckdb.connect(str(path))
+    migrations.current_version(con)
+    for number, description, sql in migrations.MIGRATIONS:
+        if number < 14:
+            assert isinstance(sql, str)
+            con.execute(sql)
+            con.execute("INSERT INTO schema_version VALUES (?, ?, now())", [number, description])
+    con.execute(
+        "CREATE TABLE src_x (run_id VARCHAR, source_id VARCHAR, body VARCHAR, lang VARCHAR)"
+    )
+    con.execute(
+        "INSERT INTO src_x VALUES ('r1', 'a', 'one', NULL), ('r1', 'b', 'two', NULL), "
+        "('r2', 'a', 'one', NULL), ('r2', 'b', 'TWO', 'en')"
+    )
+    con.close()
+
+    store = Store(path)
+    assert _rows(store, "r1") == [("a", "one", None), ("b", "two", None)]
+    assert _rows(store, "r2") == [("a", "one", None), ("b", "TWO", "en")]
+    assert scalar(store, 'SELECT count(*) FROM "src_x-rows"') == 3
+    assert scalar(store, "SELECT max(version) FROM schema_version") == migrations.LATEST
+
+    # the next run of the same rows adds no content
+    store.save_sources(
+        "x",
+        "r3",
+        pl.DataFrame(
+            {"source_id": ["a"], "body": ["one"], "lang": pl.Series([None], dtype=pl.String)}
+        ),
+    )
+    assert scalar(store, 'SELECT count(*) FROM "src_x-rows"') == 3
