@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -67,8 +68,9 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-def _with_progress(call):  # noqa: ANN001, ANN202 - any flow call
-    """Run a flow call with a live progress display (errors are reported by `main`)."""
+def _with_progress(call, flow_module: str):  # noqa: ANN001, ANN202 - any flow call
+    """Run a flow call with a live progress display (errors are reported by `main`); the
+    call's `flow_module` is imported while Prefect's temporary server starts."""
     _prefect_env()
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -95,7 +97,8 @@ def _with_progress(call):  # noqa: ANN001, ANN202 - any flow call
         try:
             from lowtide.prefect_server import start_tied_server
 
-            start_tied_server()  # a SIGKILLed run must not leave Prefect's server behind
+            # a SIGKILLed run must not leave Prefect's server behind
+            start_tied_server(lambda: importlib.import_module(flow_module))
             return call()
         finally:
             progress_channel.set_reporter(None)
@@ -134,7 +137,7 @@ def _run_job(
             emulator_url=emulator_url,
         )
 
-    return _with_progress(call)
+    return _with_progress(call, "flows.enrich")
 
 
 def _exit_for(summary: dict[str, Any], wait: bool = True) -> None:
@@ -214,7 +217,7 @@ def collect(
 
         return collect_flow(db=str(db) if db else None)
 
-    touched = _with_progress(call)
+    touched = _with_progress(call, "flows.collect")
     if not touched:
         console.print("nothing in flight")
     for s in touched:

@@ -120,7 +120,7 @@ def import_(
 
     from lowtide.cli import _with_progress
 
-    touched = _with_progress(call)
+    touched = _with_progress(call, "flows.collect")
     if not touched:
         console.print(f"run {run_id} is no longer in flight: nothing to import", soft_wrap=True)
         return

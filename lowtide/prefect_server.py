@@ -3,24 +3,36 @@
 Without PREFECT_API_URL, Prefect starts a temporary API server as a child process the first time
 a flow runs, and stops it at exit. A SIGKILL skips that, and the server lived on (measured: an
 orphaned uvicorn for more than 20 minutes). On Linux the child is started here instead, from the
-main thread, with the kernel told to send it SIGTERM when its parent dies; Prefect's clients
-then find it already running (Prefect keeps one temporary server per process).
+main thread, with the kernel told to send it SIGTERM when its parent dies, and Prefect's clients
+are pointed at it.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
+import importlib.util
+import os
+import random
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lowtide.errors import PrefectServerError
+from lowtide.settings import prefect_server_configured
 
 _PR_SET_PDEATHSIG = 1
+_MOVED: list[Any] = []
+"""Prefect settings entered for good when the server had to move to another port."""
 
 
 def _die_with_parent() -> None:
@@ -28,13 +40,168 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def start_tied_server() -> None:
-    """Start Prefect's temporary server now, tied to this process (no-op with a configured
-    server, or off Linux). Call from the main thread: the tie is to the thread that forks."""
+def start_tied_server(while_starting: Callable[[], object] | None = None) -> None:
+    """Start Prefect's temporary server now, tied to this process, and run `while_starting`
+    (the flow's imports) while it boots; return once it answers. A no-op but for
+    `while_starting` with a configured server, or off Linux. Call from the main thread: the tie
+    is to the thread that forks.
+
+    Before Prefect is imported, the server is started here and Prefect is pointed at it through
+    PREFECT_API_URL, so this process never imports Prefect's server code (measured: 6.3 s of
+    import) and boots it in parallel with its own imports instead of before them."""
+    if not sys.platform.startswith("linux") or prefect_server_configured(Path(".")):
+        _call(while_starting)
+        return
+    if "prefect" in sys.modules:  # too late to point Prefect elsewhere: tie the server it starts
+        _start_through_prefect()
+        _call(while_starting)
+        return
+    database = _default_database()
+    if database is not None:
+        _check_database(database)
+    server = _spawn()
+    os.environ["PREFECT_API_URL"] = server.api_url
+    atexit.register(server.stop)  # before Prefect's own exit handlers, so it runs after them
+    _call(while_starting)
+    server.wait_until_healthy(database)
+
+
+def _call(while_starting: Callable[[], object] | None) -> None:
+    if while_starting is not None:
+        while_starting()
+
+
+@dataclass
+class _Server:
+    process: subprocess.Popen[bytes]
+    port: int
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api"
+
+    def wait_until_healthy(self, database: Path | None) -> None:
+        limit = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS") or 90)
+        deadline = time.monotonic() + limit
+        restarts = 0
+        while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code == 3 and restarts < 3:  # uvicorn's start-up failure: the port was taken
+                restarts += 1
+                self._restart_on_another_port()
+                continue
+            if code is not None:
+                raise _did_not_start(f"it exited with code {code}", database)
+            try:
+                with urllib.request.urlopen(f"{self.api_url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:  # not listening yet (URLError and timeouts are OSErrors)
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise _did_not_start(f"it did not answer within {limit:.0f} s", database)
+
+    def _restart_on_another_port(self) -> None:
+        self.port = _free_port()
+        self.process = _uvicorn(self.port)
+        os.environ["PREFECT_API_URL"] = self.api_url
+        if "prefect" in sys.modules:  # Prefect read the old address already
+            from prefect.settings import PREFECT_API_URL, temporary_settings
+
+            # entered for the rest of the process, exit handlers included; kept referenced, or
+            # collecting it would close its generator and restore the old address
+            moved = temporary_settings(updates={PREFECT_API_URL: self.api_url})
+            moved.__enter__()
+            _MOVED.append(moved)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def _did_not_start(why: str, database: Path | None) -> PrefectServerError:
+    return PrefectServerError(
+        f"Prefect's temporary server did not start: {why}. Its files are in "
+        f"{database.parent if database else 'PREFECT_HOME'}; set PREFECT_API_URL to a running "
+        "server, or move a damaged prefect.db away"
+    )
+
+
+def _free_port() -> int:
+    """A free port in the range Prefect's own temporary server uses (outside the range the
+    kernel hands out to outgoing connections)."""
+    for _ in range(50):
+        port = random.randrange(8000, 9000)
+        with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise PrefectServerError("no free port in 8000-8999 for Prefect's temporary server")
+
+
+def _uvicorn(port: int) -> subprocess.Popen[bytes]:
+    """The command Prefect runs for its temporary server (API only, no UI)."""
+    env = {
+        **os.environ,
+        "PREFECT_UI_ENABLED": "0",
+        "PREFECT__SERVER_EPHEMERAL": "1",
+        "PREFECT__SERVER_FINAL": "1",
+    }
+    env.pop("PREFECT_API_URL", None)  # the server is not a client of itself
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "--app-dir",  # import Prefect from where it is installed, never from the cwd
+            _site_of("prefect"),
+            "--factory",
+            "prefect.server.api.server:create_app",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "error",
+            "--lifespan",
+            "on",
+        ],
+        env=env,
+        preexec_fn=_die_with_parent,
+        # its own session: a Ctrl-C at the terminal goes to lowtide, which stops the run
+        # cleanly, not to the server it still needs for that (measured: the server died first
+        # and the run hung on its dead API)
+        start_new_session=True,
+    )
+
+
+def _site_of(package: str) -> str:
+    """The folder a package is installed in, found without importing it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise PrefectServerError(f"{package} is not installed; run `make install`")
+    return str(Path(next(iter(spec.submodule_search_locations))).parent)
+
+
+def _spawn() -> _Server:
+    port = _free_port()
+    return _Server(_uvicorn(port), port)
+
+
+def _start_through_prefect() -> None:
+    """Prefect's own start-up of its temporary server, with the child tied to this process."""
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL
 
-    if PREFECT_API_URL.value() or not sys.platform.startswith("linux"):
+    if PREFECT_API_URL.value():
         return
 
     class TiedServer(SubprocessASGIServer):
@@ -42,9 +209,6 @@ def start_tied_server() -> None:
             popen: Any = subprocess.Popen
 
             def tied(*args: Any, **kwargs: Any) -> Any:
-                # its own session: a Ctrl-C at the terminal goes to lowtide, which stops the
-                # run cleanly, not to the server it still needs for that (measured: the
-                # server died first and the run hung on its dead API)
                 return popen(*args, preexec_fn=_die_with_parent, start_new_session=True, **kwargs)
 
             subprocess.Popen = tied  # type: ignore[misc, assignment]
@@ -59,18 +223,20 @@ def start_tied_server() -> None:
     try:
         TiedServer().start()
     except RuntimeError as e:  # Prefect's own: "Timed out while attempting to connect ..."
-        raise PrefectServerError(
-            f"Prefect's temporary server did not start: {' '.join(str(e).split())} Its files "
-            f"are in {database.parent if database else 'PREFECT_HOME'}; set PREFECT_API_URL to "
-            "a running server, or move a damaged prefect.db away"
-        ) from e
+        raise _did_not_start(" ".join(str(e).split()).rstrip("."), database) from e
 
 
 def _default_database() -> Path | None:
-    """The SQLite file Prefect's temporary server will use (None for another database)."""
-    from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
-
-    url = str(PREFECT_API_DATABASE_CONNECTION_URL.value() or "")
+    """The SQLite file the temporary server will use (None for another database), read from
+    the environment as Prefect would, without importing it."""
+    url = (
+        os.environ.get("PREFECT_SERVER_DATABASE_CONNECTION_URL")
+        or os.environ.get("PREFECT_API_DATABASE_CONNECTION_URL")
+        or ""
+    )
+    if not url:
+        home = os.environ.get("PREFECT_HOME") or "~/.prefect"
+        return Path(home).expanduser() / "prefect.db"
     if not url.startswith("sqlite") or ":///" not in url:
         return None
     return Path(url.split(":///", 1)[1])

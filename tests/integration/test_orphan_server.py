@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from lowtide import prefect_server
 from lowtide.emulator import Emulator, EmulatorConfig
 from tests.integration.conftest import lowtide_cli, write_job
 
@@ -78,3 +81,53 @@ def test_a_damaged_prefect_database_is_one_line_at_once(tmp_path: Path) -> None:
     assert len(lines) == 1 and lines[0].startswith("error: "), lines
     assert str(home / "prefect.db") in lines[0] and "move it away" in lines[0]
     assert not _servers_with_home(home)
+
+
+_START_BESIDE_IMPORTS = """
+import sys
+import lowtide.prefect_server as ps
+
+taken = iter([int(sys.argv[1])])
+free = ps._free_port
+ps._free_port = lambda: next(taken, None) or free()  # the first port tried is held elsewhere
+ps.start_tied_server(lambda: __import__("prefect.client.orchestration"))
+from prefect.client.orchestration import get_client
+from prefect.settings import PREFECT_API_URL
+
+with get_client(sync_client=True) as client:
+    print(client.api_healthcheck())
+print(PREFECT_API_URL.value())
+print("prefect.server.api.server" in sys.modules)
+"""
+
+
+def test_the_temporary_server_boots_beside_the_flow_imports_and_moves_off_a_taken_port(
+    tmp_path: Path,
+) -> None:
+    """The CLI starts Prefect's temporary server before Prefect is imported and points Prefect
+    at it, so its own process never loads Prefect's server code; a port another process took
+    meanwhile moves the server to another, and Prefect follows it. The server stops at exit."""
+    home = tmp_path / "prefect-home"
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", prefect_server._free_port()))
+    holder.listen()
+    taken = holder.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(home), DO_NOT_TRACK="1", PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", _START_BESIDE_IMPORTS, str(taken)],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=240,  # a bound, not a speed threshold: it boots the server twice
+        )
+    finally:
+        holder.close()
+    assert result.returncode == 0, result.stderr
+    health, url, server_code_loaded = result.stdout.splitlines()[-3:]
+    assert health == "None"  # Prefect's client reached a healthy API
+    assert url.startswith("http://127.0.0.1:") and f":{taken}/" not in url
+    assert server_code_loaded == "False"
+    assert not _servers_with_home(home)  # stopped at exit, not left to the parent-death signal
