@@ -8,7 +8,9 @@ nothing (it keeps reading the old inode).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ import duckdb
 from lowtide.errors import PublishError
 from lowtide.output_fields import default_reduce, json_type
 from lowtide.store._sql import ident, json_path, literal, literal_list
+from lowtide.store.publish_delta import FREE_AT_MOST, refresh_tables
 from lowtide.store.runs import RunsStore
 from lowtide.store.sources import MEMBERS, content_table, source_table, source_view_sql
 from lowtide.vocabulary import ANSWERED
@@ -39,6 +42,8 @@ PIPELINE_TABLES = (
     "metrics",
     MEMBERS,
 )
+
+log = logging.getLogger(__name__)
 
 _ANSWERED = literal_list(ANSWERED)
 _SQL_TYPES = {"string": "VARCHAR", "integer": "BIGINT", "number": "DOUBLE", "boolean": "BOOLEAN"}
@@ -290,18 +295,32 @@ LEFT JOIN results r ON r.custom_id = u.custom_id
 summed per run it equals the run's cost of the requests its units used."""
 
 
+def _previous(db_path: Path, tmp: Path) -> bool:
+    """Copy the previous published file to `tmp` to be patched; False (nothing copied) when
+    there is none, or it has a write-ahead log beside it (someone wrote to it: start afresh)."""
+    if not db_path.is_file() or db_path.with_name(db_path.name + ".wal").exists():
+        return False
+    shutil.copyfile(db_path, tmp)
+    return True
+
+
 class PublishingStore(RunsStore):
     def publish(self, db_path: str | Path, showing: str | None = None) -> Path:
-        """Write a fresh published file from the state file and swap it in atomically; every
+        """Write a new published file from the state file and swap it in atomically; every
         job in the state file gets its typed views of its shown run (`showing` counts as
-        published: mark it so once this returns). PublishError, naming the published file,
-        when it cannot be written: the previous file is then left as it was."""
+        published: mark it so once this returns). The new file starts as a copy of the previous
+        one, patched with what changed (`publish_delta`), or is written whole when there is
+        none. PublishError, naming the published file, when it cannot be written: the previous
+        file is then left as it was."""
         db_path = Path(db_path)
         tmp = db_path.with_name(f".{db_path.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
             db_path.parent.mkdir(parents=True, exist_ok=True)
-            self._write_published(tmp, showing)
+            self._write_published(tmp, showing, _previous(db_path, tmp))
             os.replace(tmp, db_path)
+            # a log someone left beside the previous file belongs to it, not to this one (DuckDB
+            # would refuse to open the new file with it)
+            db_path.with_name(db_path.name + ".wal").unlink(missing_ok=True)
         except (duckdb.Error, OSError) as e:
             for leftover in (tmp, tmp.with_name(tmp.name + ".wal")):
                 with contextlib.suppress(OSError):  # e.g. its folder is the fault
@@ -312,24 +331,51 @@ class PublishingStore(RunsStore):
             ) from e
         return db_path
 
-    def _write_published(self, tmp: Path, showing: str | None) -> None:
+    def _write_published(self, tmp: Path, showing: str | None, patch: bool) -> None:
+        if patch:
+            try:
+                self._write_tables(tmp, patch=True)
+                free = self._write_views(tmp, showing)
+                if free <= FREE_AT_MOST:
+                    log.info("%s: patched", tmp)
+                    return
+                why = f"{free:.0%} of it free space"
+            except duckdb.Error as e:  # the previous file cannot be patched (damaged, not DuckDB)
+                why = " ".join(str(e).split())
+            log.info("%s: not patched (%s); written whole", tmp, why)
+            for leftover in (tmp, tmp.with_name(tmp.name + ".wal")):
+                leftover.unlink(missing_ok=True)
+        self._write_tables(tmp, patch=False)
+        self._write_views(tmp, showing)
+        log.info("%s: written whole", tmp)
+
+    def _write_tables(self, tmp: Path, patch: bool) -> None:
+        """Every pipeline and sources table of the state file into `tmp`: patched where `tmp`
+        is a copy of the previous file, else copied whole."""
         with self._connect() as con:
             con.execute(f"ATTACH {literal(str(tmp))} AS pub")
             try:
-                present = {
+                tables = sorted(
                     r[0]
                     for r in con.execute(
                         "SELECT table_name FROM duckdb_tables() "
                         "WHERE database_name = current_database()"
                     ).fetchall()
-                }
-                for table in sorted(present):
-                    if table in PIPELINE_TABLES or table.startswith("src_"):
+                    if r[0] in PIPELINE_TABLES or r[0].startswith("src_")
+                )
+                if patch:
+                    refresh_tables(con, tables)
+                else:
+                    for table in tables:
                         con.execute(
                             f"CREATE TABLE pub.{ident(table)} AS SELECT * FROM {ident(table)}"
                         )
             finally:
                 con.execute("DETACH pub")
+
+    def _write_views(self, tmp: Path, showing: str | None) -> float:
+        """The views of every job in `tmp`, then a checkpoint; returns the share of the file
+        that is free space."""
         jobs = self.job_views()
         shown = {job["job"]: self._scalar(shown_run_sql(job["job"], showing)) for job in jobs}
         merged = {
@@ -361,5 +407,9 @@ class PublishingStore(RunsStore):
                     )
                 )
             pub.execute("CHECKPOINT")
+            free, total = pub.execute(
+                "SELECT free_blocks, total_blocks FROM pragma_database_size()"
+            ).fetchall()[0]
+            return free / max(total, 1)
         finally:
             pub.close()

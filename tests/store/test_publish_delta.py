@@ -1,0 +1,144 @@
+"""A publish patches a copy of the previous published file with what changed; the result is the
+same as writing it whole."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from lowtide.store import Store
+from lowtide.store.publish_delta import refresh_tables
+from tests.store.test_publish import _seed
+
+
+def _pair(tmp_path: Path) -> duckdb.DuckDBPyConnection:
+    con = duckdb.connect(str(tmp_path / "state.duckdb"))
+    con.execute(
+        "CREATE TABLE results AS SELECT i AS id, 'answer ' || i AS output FROM range(100) t(i)"
+    )
+    con.execute("CREATE TABLE runs AS SELECT 'r1' AS run_id, 'completed' AS status")
+    con.execute(f"ATTACH '{tmp_path / 'pub.duckdb'}' AS pub")
+    refresh_tables(con, ["results", "runs"])  # an empty file: every table written
+    con.execute("CREATE VIEW pub.my_view AS SELECT * FROM pub.results")
+    con.execute("CREATE TABLE pub.old_table AS SELECT 1 AS x")
+    return con
+
+
+def _same(con: duckdb.DuckDBPyConnection, table: str) -> bool:
+    return not con.execute(
+        f"(SELECT * FROM {table} EXCEPT ALL SELECT * FROM pub.{table}) UNION ALL "
+        f"(SELECT * FROM pub.{table} EXCEPT ALL SELECT * FROM {table})"
+    ).fetchall()
+
+
+def _rowid(con: duckdb.DuckDBPyConnection, id_: int) -> int:
+    return con.execute("SELECT rowid FROM pub.results WHERE id = ?", [id_]).fetchall()[0][0]
+
+
+def test_a_few_changed_rows_are_patched_in_place(tmp_path: Path) -> None:
+    con = _pair(tmp_path)
+    kept = _rowid(con, 50)
+    con.execute("UPDATE results SET output = 'changed' WHERE id IN (3, 7)")
+    con.execute("DELETE FROM results WHERE id = 0")
+    con.execute("INSERT INTO results SELECT i, 'new ' || i FROM range(100, 103) t(i)")
+    con.execute("UPDATE runs SET status = 'held'")  # one row of one: rewritten whole
+    refresh_tables(con, ["results", "runs"])
+    assert _same(con, "results") and _same(con, "runs")
+    assert _rowid(con, 50) == kept  # untouched rows stay where they were: patched, not copied
+    left = con.execute(
+        "SELECT table_name FROM duckdb_tables() WHERE database_name = 'pub' ORDER BY 1"
+    ).fetchall()
+    assert left == [("results",), ("runs",)]  # a table the state file no longer has is gone
+    assert not con.execute("SELECT * FROM duckdb_views() WHERE database_name = 'pub'").fetchall()
+
+
+def test_new_columns_and_repeated_rows_rewrite_the_table(tmp_path: Path) -> None:
+    con = _pair(tmp_path)
+    con.execute("ALTER TABLE results ADD COLUMN lang VARCHAR DEFAULT 'en'")
+    con.execute("INSERT INTO runs VALUES ('r1', 'completed')")  # a repeat: hashes cannot tell
+    refresh_tables(con, ["results", "runs"])
+    assert _same(con, "results") and _same(con, "runs")
+    assert con.execute("SELECT count(*) FROM pub.runs").fetchall()[0][0] == 2
+
+
+def test_a_damaged_previous_file_is_replaced_by_a_whole_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="lowtide.store.publish")
+    store = Store(tmp_path / "state.duckdb")
+    _seed(store, "run1", "first")
+    db = tmp_path / "pub.duckdb"
+    db.write_bytes(b"not a database" * 1000)
+    store.publish(db)
+    con = duckdb.connect(str(db), read_only=True)
+    assert con.execute("SELECT label FROM my_job").fetchall() == [("first",)]
+    assert any("not patched" in r.getMessage() for r in caplog.records)
+
+
+def test_each_publish_shows_the_newest_run_and_equals_the_state_file(tmp_path: Path) -> None:
+    store = Store(tmp_path / "state.duckdb")
+    db = tmp_path / "pub.duckdb"
+    for n in range(1, 4):
+        _seed(store, f"run{n}", f"label{n}")
+        store.publish(db)
+    con = duckdb.connect(str(tmp_path / "state.duckdb"), read_only=True)
+    con.execute(f"ATTACH '{db}' AS pub (READ_ONLY)")
+    tables = [
+        r[0]
+        for r in con.execute(
+            "SELECT table_name FROM duckdb_tables() WHERE database_name = 'pub'"
+        ).fetchall()
+    ]
+    assert {"runs", "results", "units", "run_sources", "src_my_job-rows"} <= set(tables)
+    assert all(_same(con, f'"{t}"') for t in tables)
+    assert con.execute("SELECT label, run_id FROM pub.my_job").fetchall() == [("label3", "run3")]
+
+
+def test_patching_night_after_night_stays_near_the_size_of_a_fresh_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Thirty nights, each adding 1% new answers and changing a few: the file is patched, and
+    its free space never grows past what a rewrite would reclaim."""
+    state = tmp_path / "state.duckdb"
+    store = Store(state)
+    store.list_runs()  # created and migrated
+    answers = (
+        "INSERT INTO results (custom_id, run_id, outcome, output, attempts, received_at) "
+        "SELECT 'c' || i, 'r', 'ok', repeat('an answer ', 30) || i, 1, now() "
+        "FROM range({start}, {stop}) t(i)"
+    )
+    with duckdb.connect(str(state)) as con:
+        con.execute(answers.format(start=0, stop=5000))
+    db = tmp_path / "pub.duckdb"
+    store.publish(db)
+    caplog.set_level(logging.INFO, logger="lowtide.store.publish")
+    for night in range(30):
+        with duckdb.connect(str(state)) as con:
+            con.execute(answers.format(start=5000 + 50 * night, stop=5050 + 50 * night))
+            con.execute(
+                "UPDATE results SET outcome = 'repaired' WHERE custom_id IN (SELECT 'c' || i "
+                f"FROM range({night}, 5000, 997) t(i))"
+            )
+        store.publish(db)
+    patched = [r for r in caplog.records if r.getMessage().endswith(": patched")]
+    assert len(patched) >= 15  # most nights patch the previous file
+    fresh = store.publish(tmp_path / "fresh.duckdb")
+    assert db.stat().st_size <= 1.25 * fresh.stat().st_size
+
+
+def test_a_log_left_beside_the_previous_file_is_not_left_beside_the_new_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = Store(tmp_path / "state.duckdb")
+    _seed(store, "run1", "first")
+    db = store.publish(tmp_path / "pub.duckdb")
+    wal = db.with_name(db.name + ".wal")
+    wal.write_bytes(b"someone wrote to the published file")
+    _seed(store, "run2", "second")
+    store.publish(db)
+    assert not wal.exists()
+    con = duckdb.connect(str(db), read_only=True)
+    assert con.execute("SELECT label FROM my_job").fetchall() == [("second",)]
