@@ -13,7 +13,6 @@ import atexit
 import contextlib
 import ctypes
 import importlib.util
-import os
 import random
 import signal
 import socket
@@ -28,7 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from lowtide.errors import PrefectServerError
-from lowtide.settings import prefect_server_configured
+from lowtide.settings import (
+    point_prefect_at,
+    prefect_database_path,
+    prefect_server_configured,
+    prefect_startup_timeout_s,
+    temporary_server_environment,
+)
 
 _PR_SET_PDEATHSIG = 1
 _MOVED: list[Any] = []
@@ -56,11 +61,11 @@ def start_tied_server(while_starting: Callable[[], object] | None = None) -> Non
         _start_through_prefect()
         _call(while_starting)
         return
-    database = _default_database()
+    database = prefect_database_path()
     if database is not None:
         _check_database(database)
     server = _spawn()
-    os.environ["PREFECT_API_URL"] = server.api_url
+    point_prefect_at(server.api_url)
     atexit.register(server.stop)  # before Prefect's own exit handlers, so it runs after them
     _call(while_starting)
     server.wait_until_healthy(database)
@@ -81,7 +86,7 @@ class _Server:
         return f"http://127.0.0.1:{self.port}/api"
 
     def wait_until_healthy(self, database: Path | None) -> None:
-        limit = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS") or 90)
+        limit = prefect_startup_timeout_s()
         deadline = time.monotonic() + limit
         restarts = 0
         while time.monotonic() < deadline:
@@ -105,9 +110,12 @@ class _Server:
     def _restart_on_another_port(self) -> None:
         self.port = _free_port()
         self.process = _uvicorn(self.port)
-        os.environ["PREFECT_API_URL"] = self.api_url
+        point_prefect_at(self.api_url)
         if "prefect" in sys.modules:  # Prefect read the old address already
+            from prefect.context import refresh_global_settings_context
             from prefect.settings import PREFECT_API_URL, temporary_settings
+
+            refresh_global_settings_context()  # what other threads fall back to
 
             # entered for the rest of the process, exit handlers included; kept referenced, or
             # collecting it would close its generator and restore the old address
@@ -149,13 +157,6 @@ def _free_port() -> int:
 
 def _uvicorn(port: int) -> subprocess.Popen[bytes]:
     """The command Prefect runs for its temporary server (API only, no UI)."""
-    env = {
-        **os.environ,
-        "PREFECT_UI_ENABLED": "0",
-        "PREFECT__SERVER_EPHEMERAL": "1",
-        "PREFECT__SERVER_FINAL": "1",
-    }
-    env.pop("PREFECT_API_URL", None)  # the server is not a client of itself
     return subprocess.Popen(
         [
             sys.executable,
@@ -174,7 +175,7 @@ def _uvicorn(port: int) -> subprocess.Popen[bytes]:
             "--lifespan",
             "on",
         ],
-        env=env,
+        env=temporary_server_environment(),
         preexec_fn=_die_with_parent,
         # its own session: a Ctrl-C at the terminal goes to lowtide, which stops the run
         # cleanly, not to the server it still needs for that (measured: the server died first
@@ -217,29 +218,13 @@ def _start_through_prefect() -> None:
             finally:
                 subprocess.Popen = popen  # type: ignore[misc]
 
-    database = _default_database()
+    database = prefect_database_path()
     if database is not None:
         _check_database(database)
     try:
         TiedServer().start()
     except RuntimeError as e:  # Prefect's own: "Timed out while attempting to connect ..."
         raise _did_not_start(" ".join(str(e).split()).rstrip("."), database) from e
-
-
-def _default_database() -> Path | None:
-    """The SQLite file the temporary server will use (None for another database), read from
-    the environment as Prefect would, without importing it."""
-    url = (
-        os.environ.get("PREFECT_SERVER_DATABASE_CONNECTION_URL")
-        or os.environ.get("PREFECT_API_DATABASE_CONNECTION_URL")
-        or ""
-    )
-    if not url:
-        home = os.environ.get("PREFECT_HOME") or "~/.prefect"
-        return Path(home).expanduser() / "prefect.db"
-    if not url.startswith("sqlite") or ":///" not in url:
-        return None
-    return Path(url.split(":///", 1)[1])
 
 
 def _check_database(path: Path) -> None:

@@ -124,9 +124,46 @@ def prefect_defaults(home: Path) -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 
 
+def point_prefect_at(api_url: str) -> None:
+    """Make Prefect, once imported, talk to this API (lowtide's own temporary server)."""
+    os.environ["PREFECT_API_URL"] = api_url
+
+
+def prefect_startup_timeout_s() -> float:
+    return float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS") or 90)
+
+
+def temporary_server_environment() -> dict[str, str]:
+    """The environment Prefect gives its temporary server: API only, no UI."""
+    env = {
+        **os.environ,
+        "PREFECT_UI_ENABLED": "0",
+        "PREFECT__SERVER_EPHEMERAL": "1",
+        "PREFECT__SERVER_FINAL": "1",
+    }
+    env.pop("PREFECT_API_URL", None)  # the server is not a client of itself
+    return env
+
+
+def prefect_database_path() -> Path | None:
+    """The SQLite file a temporary server will use (None for another database), read from the
+    environment as Prefect would, without importing it."""
+    url = (
+        os.environ.get("PREFECT_SERVER_DATABASE_CONNECTION_URL")
+        or os.environ.get("PREFECT_API_DATABASE_CONNECTION_URL")
+        or ""
+    )
+    if not url:
+        return Path(os.environ.get("PREFECT_HOME") or "~/.prefect").expanduser() / "prefect.db"
+    if not url.startswith("sqlite") or ":///" not in url:
+        return None
+    return Path(url.split(":///", 1)[1])
+
+
 def prefect_server_configured(home: Path) -> bool:
     """Whether Prefect would report to a configured server (PREFECT_API_URL in the environment,
-    the active profile, or ./prefect.toml), read without importing Prefect (~3 s). Unsure (a
+    the active profile, ./prefect.toml, ./.env or ./pyproject.toml's [tool.prefect]), read without
+    importing Prefect (~3 s). Unsure (a
     file that does not parse) counts as configured: the caller then goes through Prefect."""
     if os.environ.get("PREFECT_API_URL"):
         return True
@@ -142,6 +179,16 @@ def prefect_server_configured(home: Path) -> bool:
         if local.is_file() and tomllib.loads(local.read_text(encoding="utf-8")).get("api", {}).get(
             "url"
         ):
+            return True
+        # Prefect also reads ./.env and [tool.prefect] in ./pyproject.toml: either naming a
+        # server counts (loosely: unsure also means "go through Prefect")
+        dotenv = Path(".env")
+        if dotenv.is_file() and "PREFECT_API_URL" in dotenv.read_text(encoding="utf-8"):
+            return True
+        project = Path("pyproject.toml")
+        if project.is_file() and tomllib.loads(project.read_text(encoding="utf-8")).get(
+            "tool", {}
+        ).get("prefect"):
             return True
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
         return True
