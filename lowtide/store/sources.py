@@ -1,7 +1,7 @@
 """A job's input rows, stored once however many runs read them.
 
 `src_<view>-rows` holds each distinct input row (its `source_id` and values) once, under
-`row_key`, a hash of its values and column names. `run_sources` says which of those rows each run
+`lowtide_row_key`, a hash of its values and column names. `run_sources` says which of those rows each run
 read. The view `src_<view>` joins the two back into one row per run and input row: what the job
 view, QA and exports read, and what analysts query. A night that changed 1% of its input adds
 the membership of every row (three short columns) and the content of the 1% only; before, each
@@ -49,8 +49,8 @@ def row_key_sql(columns: Iterable[str]) -> str:
 def source_view_sql(view: str) -> str:
     return (
         f"CREATE OR REPLACE VIEW {ident(source_table(view))} AS "
-        f"SELECT m.run_id, s.* EXCLUDE (row_key) FROM {MEMBERS} m "
-        f"JOIN {ident(content_table(view))} s USING (source_id, row_key) "
+        f"SELECT m.run_id, s.* EXCLUDE (lowtide_row_key) FROM {MEMBERS} m "
+        f"JOIN {ident(content_table(view))} s USING (source_id, lowtide_row_key) "
         f"WHERE m.view = {literal(view)}"
     )
 
@@ -71,7 +71,7 @@ def split_copied_sources(con: duckdb.DuckDBPyConnection) -> None:
     rows, their membership and the view of the same name."""
     con.execute(
         f"CREATE TABLE {MEMBERS} (view VARCHAR NOT NULL, run_id VARCHAR NOT NULL, "
-        "source_id VARCHAR NOT NULL, row_key UBIGINT NOT NULL)"
+        "source_id VARCHAR NOT NULL, lowtide_row_key UBIGINT NOT NULL)"
     )
     tables = con.execute(
         "SELECT table_name FROM duckdb_tables() WHERE database_name = current_database() "
@@ -90,8 +90,8 @@ def split_copied_sources(con: duckdb.DuckDBPyConnection) -> None:
         )
         listed = ", ".join(ident(c) for c in kept)
         con.execute(
-            f"CREATE TABLE {ident(content_table(view))} AS SELECT DISTINCT ON (source_id, row_key) "
-            f"* FROM (SELECT {key} AS row_key, {listed} FROM {ident(table)})"
+            f"CREATE TABLE {ident(content_table(view))} AS SELECT DISTINCT ON (source_id, lowtide_row_key) "
+            f"* FROM (SELECT {key} AS lowtide_row_key, {listed} FROM {ident(table)})"
         )
         con.execute(f"DROP TABLE {ident(table)}")
         con.execute(source_view_sql(view))
@@ -107,7 +107,7 @@ class SourcesStore(Database):
             con.register("incoming", rows)
             con.execute(
                 f"CREATE TABLE IF NOT EXISTS {content} AS "
-                "SELECT 0::UBIGINT AS row_key, * FROM incoming LIMIT 0"
+                "SELECT 0::UBIGINT AS lowtide_row_key, * FROM incoming LIMIT 0"
             )
             # an input that gained columns since earlier runs: widen the table (old rows: NULL)
             have = set(_columns(con, content_table(view)))
@@ -124,6 +124,7 @@ class SourcesStore(Database):
             )
             con.execute(
                 f"INSERT INTO {content} BY NAME SELECT n.* FROM "
-                f"(SELECT {key} AS row_key, * FROM incoming) n "
-                f"ANTI JOIN {content} s ON s.source_id = n.source_id AND s.row_key = n.row_key"
+                f"(SELECT {key} AS lowtide_row_key, * FROM incoming) n "
+                f"ANTI JOIN {content} s ON s.source_id = n.source_id "
+                "AND s.lowtide_row_key = n.lowtide_row_key"
             )

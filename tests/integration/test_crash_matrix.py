@@ -184,7 +184,7 @@ def _duplicates(state: str, view: str) -> dict[str, int]:
     keys = {
         **_KEYS,
         "run_sources": "view, run_id, source_id",
-        f"src_{view}-rows": "source_id, row_key",
+        f"src_{view}-rows": "source_id, lowtide_row_key",
     }
     tables = query(
         state,
