@@ -163,8 +163,8 @@ def prefect_database_path() -> Path | None:
 def prefect_server_configured(home: Path) -> bool:
     """Whether Prefect would report to a configured server (PREFECT_API_URL in the environment,
     the active profile, ./prefect.toml, ./.env or ./pyproject.toml's [tool.prefect]), read without
-    importing Prefect (~3 s). Unsure (a
-    file that does not parse) counts as configured: the caller then goes through Prefect."""
+    importing Prefect (~3 s). Unsure (a file that does not parse) counts as configured: the
+    caller then goes through Prefect."""
     if os.environ.get("PREFECT_API_URL"):
         return True
     prefect_home = Path(os.environ.get("PREFECT_HOME") or home).expanduser()

@@ -295,10 +295,22 @@ LEFT JOIN results r ON r.custom_id = u.custom_id
 summed per run it equals the run's cost of the requests its units used."""
 
 
+def _wal(path: Path) -> Path:
+    """DuckDB's write-ahead log beside a database file."""
+    return path.with_name(path.name + ".wal")
+
+
+def _remove(tmp: Path) -> None:
+    """A temporary file and its log, if any (suppressing errors: e.g. its folder is the fault)."""
+    for leftover in (tmp, _wal(tmp)):
+        with contextlib.suppress(OSError):
+            leftover.unlink()
+
+
 def _previous(db_path: Path, tmp: Path) -> bool:
     """Copy the previous published file to `tmp` to be patched; False (nothing copied) when
     there is none, or it has a write-ahead log beside it (someone wrote to it: start afresh)."""
-    if not db_path.is_file() or db_path.with_name(db_path.name + ".wal").exists():
+    if not db_path.is_file() or _wal(db_path).exists():
         return False
     shutil.copyfile(db_path, tmp)
     return True
@@ -320,11 +332,9 @@ class PublishingStore(RunsStore):
             os.replace(tmp, db_path)
             # a log someone left beside the previous file belongs to it, not to this one (DuckDB
             # would refuse to open the new file with it)
-            db_path.with_name(db_path.name + ".wal").unlink(missing_ok=True)
+            _wal(db_path).unlink(missing_ok=True)
         except (duckdb.Error, OSError) as e:
-            for leftover in (tmp, tmp.with_name(tmp.name + ".wal")):
-                with contextlib.suppress(OSError):  # e.g. its folder is the fault
-                    leftover.unlink()
+            _remove(tmp)
             raise PublishError(
                 f"{db_path}: cannot write the published file: {' '.join(str(e).split())}; "
                 "the previous file is unchanged"
@@ -343,8 +353,7 @@ class PublishingStore(RunsStore):
             except duckdb.Error as e:  # the previous file cannot be patched (damaged, not DuckDB)
                 why = " ".join(str(e).split())
             log.info("%s: not patched (%s); written whole", tmp, why)
-            for leftover in (tmp, tmp.with_name(tmp.name + ".wal")):
-                leftover.unlink(missing_ok=True)
+            _remove(tmp)
         self._write_tables(tmp, patch=False)
         self._write_views(tmp, showing)
         log.info("%s: written whole", tmp)
