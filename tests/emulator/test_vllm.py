@@ -429,7 +429,7 @@ def test_stopping_one_engine_of_a_pool_fails_only_its_requests():
         assert errors and all(isinstance(e, openai.APIConnectionError) for e in errors)
         with pytest.raises(httpx.ConnectError):
             httpx.get(pool.base_url(1) + "/health", timeout=2)
-        assert httpx.get(pool.base_url(0) + "/health", timeout=2).status_code == 200
+        assert httpx.get(pool.base_url(0) + "/health", timeout=30).status_code == 200
 
 
 def test_a_server_answers_to_every_name_it_serves(serve):
