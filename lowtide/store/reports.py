@@ -31,7 +31,8 @@ class ReportsStore(PublishingStore, RouteStore):
     def source_columns(self, table: str) -> list[str]:
         """The columns of a job's sources table (empty when it does not exist yet)."""
         return self._query(
-            "SELECT column_name FROM duckdb_columns() WHERE table_name = ? ORDER BY column_index",
+            "SELECT column_name FROM duckdb_columns() "
+            "WHERE database_name = current_database() AND table_name = ? ORDER BY column_index",
             [table],
         )["column_name"].to_list()
 
