@@ -67,9 +67,10 @@ def _patch(con: duckdb.DuckDBPyConnection, table: str) -> bool:
     if changed > _REWRITE_ABOVE * max(counts[2], 1):
         return False
     if changed:
-        con.execute(f"DELETE FROM pub.{t} p WHERE hash(p) IN (SELECT h FROM gone)")
+        con.execute(f"DELETE FROM pub.{t} {_ROW} WHERE hash({_ROW}) IN (SELECT h FROM gone)")
         con.execute(
-            f"INSERT INTO pub.{t} SELECT * FROM {t} s WHERE hash(s) IN (SELECT h FROM added)"
+            f"INSERT INTO pub.{t} SELECT * FROM {t} {_ROW} "
+            f"WHERE hash({_ROW}) IN (SELECT h FROM added)"
         )
     return True
 

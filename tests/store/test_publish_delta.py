@@ -55,6 +55,21 @@ def test_a_few_changed_rows_are_patched_in_place(tmp_path: Path) -> None:
     assert not con.execute("SELECT * FROM duckdb_views() WHERE database_name = 'pub'").fetchall()
 
 
+def test_columns_named_like_a_row_alias_are_patched_by_whole_rows(tmp_path: Path) -> None:
+    """An input's columns reach the published file's tables: columns named `p` or `s` must not
+    be taken for the row they are in when rows are matched."""
+    con = duckdb.connect(str(tmp_path / "state.duckdb"))
+    con.execute(
+        "CREATE TABLE src AS SELECT i AS p, i % 3 AS s, 'text ' || i AS t FROM range(40) t(i)"
+    )
+    con.execute(f"ATTACH '{tmp_path / 'pub.duckdb'}' AS pub")
+    refresh_tables(con, ["src"])
+    con.execute("UPDATE src SET t = 'changed' WHERE p IN (3, 7)")
+    con.execute("INSERT INTO src VALUES (40, 1, 'new')")
+    refresh_tables(con, ["src"])
+    assert _same(con, "src")
+
+
 def test_new_columns_and_repeated_rows_rewrite_the_table(tmp_path: Path) -> None:
     con = _pair(tmp_path)
     con.execute("ALTER TABLE results ADD COLUMN lang VARCHAR DEFAULT 'en'")
