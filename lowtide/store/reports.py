@@ -16,7 +16,7 @@ from lowtide.errors import UserError
 from lowtide.store._sql import ident, json_path, literal
 from lowtide.store.publish import PublishingStore, job_rows_sql
 from lowtide.store.route import RouteStore
-from lowtide.store.sources import source_table
+from lowtide.store.sources import source_table, table_columns
 from lowtide.vocabulary import ANSWERED
 
 _COPY_FORMAT = {
@@ -30,11 +30,8 @@ EXPORT_FORMATS = tuple(_COPY_FORMAT)
 class ReportsStore(PublishingStore, RouteStore):
     def source_columns(self, table: str) -> list[str]:
         """The columns of a job's sources table (empty when it does not exist yet)."""
-        return self._query(
-            "SELECT column_name FROM duckdb_columns() "
-            "WHERE database_name = current_database() AND table_name = ? ORDER BY column_index",
-            [table],
-        )["column_name"].to_list()
+        with self._connect() as con:
+            return table_columns(con, table)
 
     def run_tokens(self, run_id: str) -> dict[str, int]:
         """Tokens the run was billed for: input, cached input, output."""

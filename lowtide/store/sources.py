@@ -55,7 +55,8 @@ def source_view_sql(view: str) -> str:
     )
 
 
-def _columns(con: duckdb.DuckDBPyConnection, table: str) -> list[str]:
+def table_columns(con: duckdb.DuckDBPyConnection, table: str) -> list[str]:
+    """The columns of a table or view of the state file, in order (empty when it is absent)."""
     return [
         r[0]
         for r in con.execute(
@@ -78,7 +79,7 @@ def split_copied_sources(con: duckdb.DuckDBPyConnection) -> None:
         "AND schema_name = 'main' AND starts_with(table_name, 'src_')"
     ).fetchall()
     for (table,) in tables:
-        columns = _columns(con, table)
+        columns = table_columns(con, table)
         if "run_id" not in columns or "source_id" not in columns:
             continue
         view = table.removeprefix("src_")
@@ -110,7 +111,7 @@ class SourcesStore(Database):
                 "SELECT 0::UBIGINT AS lowtide_row_key, * FROM incoming LIMIT 0"
             )
             # an input that gained columns since earlier runs: widen the table (old rows: NULL)
-            have = set(_columns(con, content_table(view)))
+            have = set(table_columns(con, content_table(view)))
             types = dict(
                 con.execute("SELECT column_name, column_type FROM (DESCRIBE incoming)").fetchall()
             )
