@@ -1,8 +1,8 @@
 """A job's input rows, stored once however many runs read them.
 
 `src_<view>-rows` holds each distinct input row (its `source_id` and values) once, under
-`lowtide_row_key`, a hash of its values and column names. `run_sources` says which of those rows each run
-read. The view `src_<view>` joins the two back into one row per run and input row: what the job
+`lowtide_row_key`, a hash of its values and column names. `run_sources` says which of those
+rows each run read. The view `src_<view>` joins the two back into one row per run and input row: what the job
 view, QA and exports read, and what analysts query. A night that changed 1% of its input adds
 the membership of every row (three short columns) and the content of the 1% only; before, each
 run stored a full copy of its input.
