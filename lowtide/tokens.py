@@ -10,7 +10,9 @@ from __future__ import annotations
 from functools import lru_cache
 
 DEFAULT_ENCODING = "o200k_base"
-# bpe-openai refuses one very long input; longer texts are encoded in slices cut at whitespace.
+# bpe-openai refuses one very long input; longer texts are encoded in slices, each cut before a
+# space that follows a non-space character: no pre-token crosses such a position, so the slices'
+# tokens are the whole text's (lowtide.splitting relies on it).
 _SLICE_CHARS = 50_000
 
 
@@ -28,7 +30,10 @@ def _slices(text: str) -> list[str]:
     while start < len(text):
         end = min(start + _SLICE_CHARS, len(text))
         if end < len(text):
-            cut = text.rfind(" ", start + _SLICE_CHARS // 2, end)
+            low = start + _SLICE_CHARS // 2
+            cut = text.rfind(" ", low, end)
+            while cut > low and text[cut - 1].isspace():
+                cut = text.rfind(" ", low, cut)
             end = cut if cut > start else end
         out.append(text[start:end])
         start = end
@@ -36,11 +41,13 @@ def _slices(text: str) -> list[str]:
 
 
 def encode(text: str, encoding: str = DEFAULT_ENCODING) -> list[int]:
-    """Token ids of `text`; safe for arbitrarily long strings."""
+    """Token ids of `text`, every part of it ordinary text (a row holding `<|endoftext|>` is
+    counted as the provider counts a user message, never refused); safe for arbitrarily long
+    strings."""
     enc = get_encoding(encoding)
     ids: list[int] = []
     for part in _slices(text):
-        ids.extend(enc.encode(part))
+        ids.extend(enc.encode_ordinary(part))
     return ids
 
 
