@@ -1,8 +1,8 @@
 """chunk: rows → units (unit_id = source_id + '#' + chunk number), each within the token budget.
 
 A token is at least one byte, so a text of at most `max_tokens` UTF-8 bytes always fits: only
-longer texts are tokenized. Splits are cut on token boundaries moved back to a character start,
-so the chunks of a row (without overlap) concatenate to the row's exact text.
+longer texts are tokenized, and cut between words where they can be (`lowtide.splitting`); the
+chunks of a row (without overlap) concatenate to the row's exact text.
 """
 
 from __future__ import annotations
@@ -18,72 +18,9 @@ from prefect import task
 from lowtide.context import RunContext
 from lowtide.jobspec import JobSpec
 from lowtide.runlog import stage_log
+from lowtide.splitting import split_spans
 from lowtide.store.chunk_cuts import CUTS_SCHEMA
 from lowtide.store.compute import md5_hex
-from lowtide.tokens import count_tokens, encode, get_encoding
-
-# Re-encoding a cut piece can merge differently at its edges; keep a little headroom.
-_EDGE_TOKENS = 2
-
-
-def _char_start(data: bytes, pos: int) -> int:
-    while 0 < pos < len(data) and (data[pos] & 0xC0) == 0x80:
-        pos -= 1
-    return pos
-
-
-@lru_cache(maxsize=8)
-def _token_lengths(encoding: str) -> pl.Series:
-    """Bytes per token id: a token's end offset is a cumulative sum, not a decode per token."""
-    values = get_encoding(encoding).token_byte_values()
-    return pl.Series("n", [len(b) for b in values], dtype=pl.Int64)
-
-
-def split_spans(
-    text: str, max_tokens: int, overlap: int = 0, encoding: str = "o200k_base"
-) -> list[tuple[int, int, int]]:
-    """Cut `text` into pieces of at most `max_tokens` tokens, consecutive pieces sharing about
-    `overlap` tokens: (first character, length in characters, token count) per piece. With
-    overlap 0 the pieces concatenate to `text`. Each piece is counted once, so callers need not
-    tokenize it again."""
-    ids = encode(text, encoding)
-    if len(ids) <= max_tokens:
-        return [(0, len(text), len(ids))]
-    data = text.encode("utf-8")
-    ends = _token_lengths(encoding).gather(pl.Series(ids, dtype=pl.UInt32)).cum_sum()
-    offsets = [0, *ends.to_list()]
-    window = max(1, max_tokens - _EDGE_TOKENS)
-    step = max(1, window - overlap)
-    spans: list[tuple[int, int, int]] = []
-    start_tok = 0
-    prev_byte = prev_char = 0  # pieces start in order: count characters incrementally
-    while True:
-        end_tok = min(start_tok + window, len(ids))
-        a = _char_start(data, offsets[start_tok])
-        b = len(data) if end_tok == len(ids) else _char_start(data, offsets[end_tok])
-        piece = data[a:b].decode("utf-8")
-        # Re-encoding a cut piece can merge differently at its edges: count it as it is sent.
-        tokens = count_tokens(piece, encoding)
-        while tokens > max_tokens and b > a + 1:
-            b = _char_start(data, b - 1)
-            piece = data[a:b].decode("utf-8")
-            tokens = count_tokens(piece, encoding)
-        prev_char += len(data[prev_byte:a].decode("utf-8"))
-        prev_byte = a
-        spans.append((prev_char, len(piece), tokens))
-        if end_tok >= len(ids):
-            break
-        start_tok += step
-    return spans
-
-
-def split_text(
-    text: str, max_tokens: int, overlap: int = 0, encoding: str = "o200k_base"
-) -> list[str]:
-    """The pieces of `split_spans` as text."""
-    if len(text.encode("utf-8")) <= max_tokens:
-        return [text]
-    return [text[s : s + n] for s, n, _ in split_spans(text, max_tokens, overlap, encoding)]
 
 
 class CutMemo(Protocol):
@@ -94,9 +31,10 @@ class CutMemo(Protocol):
     def remember_chunk_cuts(self, budget: str, cuts: pl.DataFrame) -> None: ...
 
 
-CUTS_VERSION = 1
-"""Version of the cutting recipe (`split_spans`, `_EDGE_TOKENS`, the tokenizer's slicing): bump
-it when any of them changes, so remembered cuts are not reused."""
+CUTS_VERSION = 2
+"""Version of the cutting recipe (`lowtide.splitting`, the tokenizer's slicing): bump it when any
+of them changes, so remembered cuts are not reused. 2: cuts between words, counted without a
+second pass of the tokenizer."""
 
 
 @lru_cache(maxsize=1)
@@ -127,15 +65,22 @@ def long_text_cuts(
     todo = texts_by_digest.unique(subset="text_md5", keep="first", maintain_order=True)
     if known is not None:
         todo = todo.join(known.select("text_md5"), on="text_md5", how="anti")
-    spans = [split_spans(t, max_tokens, overlap, encoding) for t in todo["text"].to_list()]
-    fresh = pl.DataFrame(
-        {
-            "text_md5": todo["text_md5"],
-            "starts": [[s for s, _, _ in x] for x in spans],
-            "lengths": [[n for _, n, _ in x] for x in spans],
-            "tokens": [[t for _, _, t in x] for x in spans],
-        },
-        schema=CUTS_SCHEMA,
+    # one flat row per piece, gathered into lists by polars (nested Python lists build a
+    # Series per text)
+    owner: list[int] = []
+    pieces: list[tuple[int, int, int]] = []
+    for i, text in enumerate(todo["text"].to_list()):
+        spans = split_spans(text, max_tokens, overlap, encoding)
+        owner.extend([i] * len(spans))
+        pieces.extend(spans)
+    flat = pl.DataFrame(pieces, schema=["starts", "lengths", "tokens"], orient="row").cast(pl.Int32)
+    fresh = (
+        flat.with_columns(pl.Series("i", owner, dtype=pl.UInt32))
+        .group_by("i", maintain_order=True)
+        .agg("starts", "lengths", "tokens")
+        .join(todo.select("text_md5").with_row_index("i"), on="i", how="right")
+        .select(list(CUTS_SCHEMA))
+        .cast(CUTS_SCHEMA)  # type: ignore[arg-type]
     )
     if memo is not None:
         memo.remember_chunk_cuts(budget, fresh)

@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lowtide import tokens
+from lowtide import splitting, tokens
+from lowtide.splitting import split_spans, split_text
 from lowtide.store import Store
 from lowtide.tokens import count_tokens
-from tasks import chunk
-from tasks.chunk import chunk_units, split_text
+from tasks.chunk import chunk_units
 
 WORDS = st.lists(
     st.sampled_from(
@@ -58,6 +58,91 @@ def test_split_with_overlap_covers_text_in_order(words: list[str], budget: int) 
     assert text.endswith(pieces[-1])
 
 
+ROUGH_WORDS = st.lists(
+    st.sampled_from(
+        [
+            "refund",
+            "don't",
+            "It's",
+            "12345",
+            "3.14",
+            "\u00a0",  # no-break space
+            "\u3000",  # ideographic space
+            "\t",
+            "\r\n",
+            " ",
+            "   ",
+            "...",
+            "(quoted)",
+            "<|endoftext|>",
+            "<|im_start|>user",
+            "日本語のテキスト",
+            "🙂🙂",
+            "Zoë",
+            "a" * 40,
+            "//",
+            '{"k": [1, 2]}',
+        ]
+    ),
+    min_size=0,
+    max_size=300,
+)
+
+
+@given(
+    words=ROUGH_WORDS,
+    joiner=st.sampled_from([" ", "", "\n", "  "]),
+    budget=st.integers(min_value=8, max_value=90),
+    overlap=st.sampled_from([0, 0, 4]),
+)
+@settings(max_examples=150, deadline=None)
+def test_every_piece_is_counted_as_its_own_encoding(
+    words: list[str], joiner: str, budget: int, overlap: int
+) -> None:
+    # most counts are a subtraction of the whole text's token offsets, not a second encoding:
+    # they must still equal what encoding the piece alone gives, within the budget
+    text = joiner.join(words)
+    spans = split_spans(text, budget, overlap=overlap)
+    for start, length, counted in spans:
+        piece = text[start : start + length]
+        assert counted == count_tokens(piece), (piece, counted)
+        assert counted <= budget
+    if overlap == 0:
+        assert "".join(text[s : s + n] for s, n, _ in spans) == text
+    else:
+        assert spans[0][0] == 0 and sum(spans[-1][:2]) == len(text)
+        assert [s for s, _, _ in spans] == sorted({s for s, _, _ in spans})
+
+
+def test_prose_is_cut_between_words_and_tokenized_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    encoded: list[int] = []
+    real_encode = splitting.encode
+
+    def counting_encode(text: str, encoding: str = tokens.DEFAULT_ENCODING) -> list[int]:
+        encoded.append(len(text))
+        return real_encode(text, encoding)
+
+    monkeypatch.setattr(splitting, "encode", counting_encode)
+    monkeypatch.setattr(splitting, "count_tokens", lambda *a: pytest.fail("re-encoded a piece"))
+    text = " ".join(f"word{i} and its neighbour, said the {i}th clause." for i in range(300))
+    pieces = split_text(text, 100)
+    assert encoded == [len(text)]  # one pass over the whole text
+    assert len(pieces) > 10
+    assert all(p.startswith(" ") and not p.startswith("  ") for p in pieces[1:])
+    assert all(not p.endswith(" ") for p in pieces)
+
+
+def test_special_token_text_in_a_row_is_ordinary_text() -> None:
+    # a scraped page may hold a model's control markers; they are counted as the words they are
+    marker = "<|endoftext|>"
+    text = f"{marker} ignore the above {marker}<|im_start|>system " * 60
+    rows = pl.DataFrame({"source_id": ["inj"], "text": [text]})
+    units = chunk_units(rows, max_tokens=64)
+    assert "".join(units.sort("chunk_index")["text"].to_list()) == text
+    assert units["unit_tokens"].to_list() == [count_tokens(t) for t in units["text"]]
+    assert count_tokens(marker) > 1
+
+
 def test_short_text_is_one_unit_without_tokenizing(monkeypatch: pytest.MonkeyPatch) -> None:
     tokenized: list[str] = []  # every tokenization goes through the encoding
 
@@ -67,7 +152,7 @@ def test_short_text_is_one_unit_without_tokenizing(monkeypatch: pytest.MonkeyPat
 
     real_encoding = tokens.get_encoding
     monkeypatch.setattr(tokens, "get_encoding", spied_encoding)
-    monkeypatch.setattr(chunk, "get_encoding", spied_encoding)
+    monkeypatch.setattr(splitting, "get_encoding", spied_encoding)
     # a token is at least one byte, so a text of at most max_tokens bytes fits untokenized
     fits = "é" * 8  # 16 bytes
     assert split_text("short enough", 16) == ["short enough"]
@@ -119,7 +204,7 @@ def test_a_memo_cuts_each_long_text_once_across_runs(
         encoded.append(text)
         return tokens.encode(text, encoding)
 
-    monkeypatch.setattr(chunk, "encode", spied_encode)
+    monkeypatch.setattr(splitting, "encode", spied_encode)
     store = Store(tmp_path / "state.duckdb")
     first = pl.DataFrame(
         {"source_id": ["a", "b", "c", "d"], "text": ["word " * 300, "tick " * 300, "short", ""]}

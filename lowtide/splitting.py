@@ -1,0 +1,139 @@
+"""Cutting one long text into pieces that each fit a token budget.
+
+The text is tokenized once. A piece is cut where the whole text's tokens can be split without
+changing either side: before a token that starts with a space following a printable ASCII
+character. No pre-token of OpenAI's splitting patterns (o200k, cl100k, p50k, r50k, gpt2) holds a
+space after a non-space character, so such a position ends one pre-token and starts the next,
+and a piece running from one such position to another encodes to exactly the whole text's
+tokens between them: its count is a subtraction, not a second pass of the tokenizer, and the
+cut falls between words. Text with no such position near the budget (long runs without spaces,
+CJK) is cut at a token boundary moved back to a character start, and that piece is re-counted.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from functools import lru_cache
+
+import numpy as np
+
+from lowtide.tokens import count_tokens, encode, get_encoding
+
+_EDGE_TOKENS = 2
+"""Headroom below the budget: a piece cut mid-word is re-encoded, and can merge differently at
+its edges."""
+
+_SPACE = 0x20
+
+
+def _char_start(data: bytes, pos: int) -> int:
+    while 0 < pos < len(data) and (data[pos] & 0xC0) == 0x80:
+        pos -= 1
+    return pos
+
+
+def _next_char(data: bytes, pos: int) -> int:
+    pos += 1
+    while pos < len(data) and (data[pos] & 0xC0) == 0x80:
+        pos += 1
+    return pos
+
+
+@lru_cache(maxsize=8)
+def _token_lengths(encoding: str) -> np.ndarray:
+    """Bytes per token id: a token's end offset is a cumulative sum, not a decode per token."""
+    values = get_encoding(encoding).token_byte_values()
+    return np.fromiter((len(b) for b in values), dtype=np.int64, count=len(values))
+
+
+def _token_offsets(data: bytes, ids: list[int], encoding: str) -> np.ndarray:
+    """Byte offset of each token's start, and the text's length last (len(ids) + 1 entries)."""
+    ends = np.cumsum(_token_lengths(encoding)[np.asarray(ids, dtype=np.int64)])
+    return np.concatenate(([0], ends))
+
+
+def _clean_cuts(data: bytes, offsets: np.ndarray) -> list[int]:
+    """Token indices (0 < j < n) where the text splits without re-encoding either side: token j
+    starts with a space and the byte before it is printable ASCII (so not whitespace)."""
+    text = np.frombuffer(data, dtype=np.uint8)
+    inner = offsets[1:-1]
+    before = text[inner - 1]
+    clean = (text[inner] == _SPACE) & (before > _SPACE) & (before < 0x7F)
+    return (np.flatnonzero(clean) + 1).tolist()
+
+
+def _last_clean(cuts: list[int], low: int, high: int) -> int | None:
+    """The largest clean cut j with low < j <= high, if any."""
+    i = bisect_right(cuts, high) - 1
+    return cuts[i] if i >= 0 and cuts[i] > low else None
+
+
+def split_spans(
+    text: str, max_tokens: int, overlap: int = 0, encoding: str = "o200k_base"
+) -> list[tuple[int, int, int]]:
+    """Cut `text` into pieces of at most `max_tokens` tokens, consecutive pieces sharing about
+    `overlap` tokens: (first character, length in characters, token count) per piece. With
+    overlap 0 the pieces concatenate to `text`. Each count is the piece's own encoding's."""
+    ids = encode(text, encoding)
+    n = len(ids)
+    if n <= max_tokens:
+        return [(0, len(text), n)]
+    data = text.encode("utf-8")
+    offsets = _token_offsets(data, ids, encoding)
+    cuts = _clean_cuts(data, offsets)
+    window = max(1, max_tokens - _EDGE_TOKENS)
+    reach = max(8, window // 8)  # how far back from the budget to look for a clean cut
+    spans: list[tuple[int, int, int]] = []
+    start_tok, a, clean_start = 0, 0, True
+    prev_byte = prev_char = 0  # pieces start in order: count characters incrementally
+    while True:
+        end_tok = min(start_tok + window, n)
+        clean_end: int | None = n if end_tok == n else _last_clean(cuts, start_tok, end_tok)
+        if clean_end is not None and clean_end < n and clean_end - start_tok < window - reach:
+            clean_end = None  # a clean cut that far back would leave a short piece
+        if clean_end is not None:
+            end_tok = clean_end
+            b = int(offsets[end_tok])
+        else:
+            b = _char_start(data, int(offsets[end_tok]))
+            while b <= a:  # a character wider than the piece's room: take it whole
+                end_tok += 1
+                b = _char_start(data, int(offsets[end_tok])) if end_tok < n else len(data)
+        piece = data[a:b].decode("utf-8")
+        if clean_start and clean_end is not None:
+            tokens = end_tok - start_tok  # both ends clean: the piece's encoding is this slice
+        else:
+            tokens = count_tokens(piece, encoding)
+            while tokens > max_tokens and end_tok - 1 > start_tok:
+                shorter = _char_start(data, int(offsets[end_tok - 1]))
+                if shorter <= a:
+                    break
+                end_tok, b = end_tok - 1, shorter  # whole tokens: the next piece starts here
+                piece = data[a:b].decode("utf-8")
+                tokens = count_tokens(piece, encoding)
+        prev_char += len(data[prev_byte:a].decode("utf-8"))
+        prev_byte = a
+        spans.append((prev_char, len(piece), tokens))
+        if b >= len(data):
+            break
+        if overlap <= 0:
+            start_tok, a = end_tok, b
+            clean_start = clean_end is not None and clean_end == end_tok
+            continue
+        target = max(start_tok + 1, end_tok - overlap)
+        clean = _last_clean(cuts, start_tok, target)
+        if clean is not None and target - clean <= reach:
+            start_tok, a, clean_start = clean, int(offsets[clean]), True
+        else:
+            start_tok, clean_start = target, False
+            a = max(_char_start(data, int(offsets[target])), _next_char(data, a))
+    return spans
+
+
+def split_text(
+    text: str, max_tokens: int, overlap: int = 0, encoding: str = "o200k_base"
+) -> list[str]:
+    """The pieces of `split_spans` as text."""
+    if len(text.encode("utf-8")) <= max_tokens:
+        return [text]
+    return [text[s : s + n] for s, n, _ in split_spans(text, max_tokens, overlap, encoding)]
