@@ -28,7 +28,7 @@ class CutMemo(Protocol):
 
     def chunk_cuts(self, budget: str, digests: pl.Series) -> pl.DataFrame: ...
 
-    def remember_chunk_cuts(self, budget: str, cuts: pl.DataFrame) -> None: ...
+    def remember_chunk_cuts(self, budget: str, cuts: pl.DataFrame, recipe: str) -> None: ...
 
 
 CUTS_VERSION = 2
@@ -42,10 +42,15 @@ def _tokenizer_version() -> str:
     return metadata.version("bpe-openai")
 
 
+def cut_recipe() -> str:
+    """The cutting recipe and the tokenizer's version: cuts remembered under another are dead."""
+    return f"v{CUTS_VERSION}:bpe-openai {_tokenizer_version()}"
+
+
 def budget_key(max_tokens: int, overlap: int, encoding: str) -> str:
     """What a text's cuts depend on besides the text: the recipe, the tokenizer's version, the
     vocabulary and the budget."""
-    return f"v{CUTS_VERSION}:bpe-openai {_tokenizer_version()}:{encoding}:{max_tokens}:{overlap}"
+    return f"{cut_recipe()}:{encoding}:{max_tokens}:{overlap}"
 
 
 def long_text_cuts(
@@ -83,7 +88,7 @@ def long_text_cuts(
         .cast(CUTS_SCHEMA)  # type: ignore[arg-type]
     )
     if memo is not None:
-        memo.remember_chunk_cuts(budget, fresh)
+        memo.remember_chunk_cuts(budget, fresh, cut_recipe())
     every = pl.concat([known, fresh]) if known is not None else fresh
     return texts_by_digest.join(every, on="text_md5", how="left", maintain_order="left").select(
         "starts", "lengths", "tokens"

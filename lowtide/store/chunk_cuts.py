@@ -33,12 +33,15 @@ class ChunkCutsStore(Database):
             )
         return found if found.height else pl.DataFrame(schema=CUTS_SCHEMA)
 
-    def remember_chunk_cuts(self, budget: str, cuts: pl.DataFrame) -> None:
+    def remember_chunk_cuts(self, budget: str, cuts: pl.DataFrame, recipe: str) -> None:
         """Keep new cuts (text_md5, starts, lengths, tokens); a text already known is kept as
-        it was (the same text under the same budget is always cut the same way)."""
+        it was (the same text under the same budget is always cut the same way). Cuts made by
+        another `recipe` (an older cutter or tokenizer, whose budgets no job asks again) are
+        dropped, so an upgrade does not leave the state file holding both."""
         if not cuts.height:
             return
         with self._transaction() as con:
+            con.execute("DELETE FROM chunk_cuts WHERE NOT starts_with(budget, ?)", [recipe + ":"])
             con.register("incoming", cuts.unique(subset="text_md5"))
             con.execute(
                 "INSERT INTO chunk_cuts SELECT text_md5, ?, starts, lengths, tokens "

@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 from lowtide import splitting, tokens
 from lowtide.splitting import split_spans, split_text
 from lowtide.store import Store
+from lowtide.store.chunk_cuts import CUTS_SCHEMA
 from lowtide.tokens import count_tokens
+from tasks import chunk
 from tasks.chunk import chunk_units
 
 WORDS = st.lists(
@@ -229,6 +231,22 @@ def test_a_memo_cuts_each_long_text_once_across_runs(
     encoded.clear()  # another budget is another cut
     chunk_units(first.head(1), max_tokens=120, overlap=8, memo=store)
     assert encoded == ["word " * 300]
+
+
+def test_cuts_of_an_older_cutter_are_dropped_when_new_ones_are_kept(tmp_path: Path) -> None:
+    store = Store(tmp_path / "state.duckdb")
+    old_cut = pl.DataFrame(
+        {"text_md5": ["0" * 32], "starts": [[0, 9]], "lengths": [[9, 9]], "tokens": [[3, 3]]},
+        schema=CUTS_SCHEMA,
+    )
+    store.remember_chunk_cuts(
+        "v1:bpe-openai 0.0.1:o200k_base:100:0", old_cut, "v1:bpe-openai 0.0.1"
+    )
+    rows = pl.DataFrame({"source_id": ["a"], "text": ["word " * 300]})
+    chunk_units(rows, max_tokens=100, memo=store)
+    chunk_units(rows, max_tokens=120, memo=store)  # a second budget of the same recipe stays
+    kept = store._query("SELECT budget FROM chunk_cuts ORDER BY budget")["budget"].to_list()
+    assert kept == [chunk.budget_key(100, 0, "o200k_base"), chunk.budget_key(120, 0, "o200k_base")]
 
 
 def test_input_columns_named_like_the_cut_columns_travel_untouched() -> None:
