@@ -462,9 +462,9 @@ def load_job(path: str | Path, backend: str | None = None) -> JobSpec:
 
 
 def _check_encoding(job: JobSpec, path: Path) -> None:
-    import bpe_openai
+    from lowtide.tokens import ENCODINGS
 
-    known = bpe_openai.list_encoding_names()
+    known = list(ENCODINGS)
     if job.chunk.encoding not in known:
         raise JobFileError(
             path, f"[chunk] encoding {job.chunk.encoding!r} is unknown; use one of {known}"

@@ -10,6 +10,18 @@ from __future__ import annotations
 from functools import lru_cache
 
 DEFAULT_ENCODING = "o200k_base"
+ENCODINGS = (
+    "cl100k_base",
+    "gpt2",
+    "o200k_base",
+    "p50k_base",
+    "p50k_edit",
+    "r50k_base",
+    "voyage3_base",
+)
+"""What `[chunk] encoding` may name: bpe-openai's `list_encoding_names()` for the pinned version
+(a test keeps them equal), known without importing it (about 1 s of CPU), so loading a job that
+tokenizes nothing tonight does not pay for the tokenizer."""
 # bpe-openai refuses one very long input; longer texts are encoded in slices, each cut before a
 # space that follows a non-space character: no pre-token crosses such a position, so the slices'
 # tokens are the whole text's (lowtide.splitting relies on it).

@@ -233,6 +233,12 @@ def test_a_memo_cuts_each_long_text_once_across_runs(
     assert encoded == ["word " * 300]
 
 
+def test_the_encodings_a_job_may_name_are_the_tokenizers() -> None:
+    import bpe_openai
+
+    assert list(tokens.ENCODINGS) == bpe_openai.list_encoding_names()
+
+
 def test_cuts_of_an_older_cutter_are_dropped_when_new_ones_are_kept(tmp_path: Path) -> None:
     store = Store(tmp_path / "state.duckdb")
     old_cut = pl.DataFrame(
