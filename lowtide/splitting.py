@@ -17,7 +17,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from lowtide.tokens import count_tokens, encode, get_encoding
+from lowtide.tokens import count_tokens, encode, get_encoding, slices_are_clean
 
 _EDGE_TOKENS = 2
 """Headroom below the budget: a piece cut mid-word is re-encoded, and can merge differently at
@@ -29,13 +29,6 @@ _SPACE = 0x20
 def _char_start(data: bytes, pos: int) -> int:
     while 0 < pos < len(data) and (data[pos] & 0xC0) == 0x80:
         pos -= 1
-    return pos
-
-
-def _next_char(data: bytes, pos: int) -> int:
-    pos += 1
-    while pos < len(data) and (data[pos] & 0xC0) == 0x80:
-        pos += 1
     return pos
 
 
@@ -80,11 +73,14 @@ def split_spans(
         return [(0, len(text), n)]
     data = text.encode("utf-8")
     offsets = _token_offsets(data, ids, encoding)
-    cuts = _clean_cuts(data, offsets)
+    # a text encoded in slices cut mid pre-token (no clean place to slice it) has tokens that
+    # are not the whole text's there: every piece of it is then counted on its own
+    exact = slices_are_clean(text)
+    cuts = _clean_cuts(data, offsets) if exact else []
     window = max(1, max_tokens - _EDGE_TOKENS)
     reach = max(8, window // 8)  # how far back from the budget to look for a clean cut
     spans: list[tuple[int, int, int]] = []
-    start_tok, a, clean_start = 0, 0, True
+    start_tok, a, clean_start = 0, 0, exact
     prev_byte = prev_char = 0  # pieces start in order: count characters incrementally
     while True:
         end_tok = min(start_tok + window, n)
@@ -116,17 +112,18 @@ def split_spans(
         spans.append((prev_char, len(piece), tokens))
         if b >= len(data):
             break
-        if overlap <= 0:
-            start_tok, a = end_tok, b
-            clean_start = clean_end is not None and clean_end == end_tok
-            continue
-        target = max(start_tok + 1, end_tok - overlap)
-        clean = _last_clean(cuts, start_tok, target)
+        # the next piece starts `overlap` tokens back (at a clean cut when one is close), or
+        # where this one ended when going back would not move past this piece's start
+        target = end_tok - overlap
+        going_back = overlap > 0 and target > start_tok
+        clean = _last_clean(cuts, start_tok, target) if going_back else None
         if clean is not None and target - clean <= reach:
             start_tok, a, clean_start = clean, int(offsets[clean]), True
+        elif going_back and _char_start(data, int(offsets[target])) > a:
+            start_tok, a, clean_start = target, _char_start(data, int(offsets[target])), False
         else:
-            start_tok, clean_start = target, False
-            a = max(_char_start(data, int(offsets[target])), _next_char(data, a))
+            start_tok, a = end_tok, b
+            clean_start = clean_end is not None and clean_end == end_tok
     return spans
 
 

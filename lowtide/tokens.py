@@ -44,12 +44,25 @@ def _slices(text: str) -> list[str]:
         if end < len(text):
             low = start + _SLICE_CHARS // 2
             cut = text.rfind(" ", low, end)
-            while cut > low and text[cut - 1].isspace():
+            while cut > 0 and text[cut - 1].isspace():
                 cut = text.rfind(" ", low, cut)
-            end = cut if cut > start else end
+            end = cut if cut > start else end  # none: cut mid pre-token (slices_are_clean)
         out.append(text[start:end])
         start = end
     return out
+
+
+def slices_are_clean(text: str) -> bool:
+    """Whether `encode` cut `text` only before a space that follows a non-space character, so
+    that its tokens are exactly the whole text's (always, for a text of one slice)."""
+    if len(text) <= _SLICE_CHARS:
+        return True
+    at = 0
+    for part in _slices(text)[:-1]:
+        at += len(part)
+        if text[at] != " " or text[at - 1].isspace():
+            return False
+    return True
 
 
 def encode(text: str, encoding: str = DEFAULT_ENCODING) -> list[int]:

@@ -116,6 +116,39 @@ def test_every_piece_is_counted_as_its_own_encoding(
         assert [s for s, _, _ in spans] == sorted({s for s, _, _ in spans})
 
 
+@pytest.mark.parametrize(
+    ("text", "budget", "overlap", "encoding"),
+    [
+        # characters wider than one token, tiny budgets, overlap: a piece was once empty and
+        # the starts after it shifted
+        ('\U0001d400? \U0002000b"\u2019', 8, 3, "o200k_base"),
+        ("\U0001f9a9a \U0001d400<|dftt|>", 12, 4, "cl100k_base"),
+        # over the tokenizer's slice length, with no clean place to slice: counted piece by piece
+        (
+            ("hello world " * 3000)[:24998]
+            + "b   y"
+            + ("hello\u00a0world\u00a0" * 3000)[:24998]
+            + " word" * 4000,
+            15000,
+            0,
+            "o200k_base",
+        ),
+    ],
+)
+def test_awkward_texts_keep_pieces_in_order_and_counted(
+    text: str, budget: int, overlap: int, encoding: str
+) -> None:
+    spans = split_spans(text, budget, overlap=overlap, encoding=encoding)
+    starts = [s for s, _, _ in spans]
+    assert starts == sorted(set(starts)) and starts[0] == 0
+    assert sum(spans[-1][:2]) == len(text)
+    for start, length, counted in spans:
+        assert length > 0
+        assert counted == count_tokens(text[start : start + length], encoding)
+    if overlap == 0:
+        assert "".join(text[s : s + n] for s, n, _ in spans) == text
+
+
 def test_prose_is_cut_between_words_and_tokenized_once(monkeypatch: pytest.MonkeyPatch) -> None:
     encoded: list[int] = []
     real_encode = splitting.encode
