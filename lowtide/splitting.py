@@ -2,12 +2,13 @@
 
 The text is tokenized once. A piece is cut where the whole text's tokens can be split without
 changing either side: before a token that starts with a space following a printable ASCII
-character. No pre-token of OpenAI's splitting patterns (o200k, cl100k, p50k, r50k, gpt2) holds a
-space after a non-space character, so such a position ends one pre-token and starts the next,
-and a piece running from one such position to another encodes to exactly the whole text's
-tokens between them: its count is a subtraction, not a second pass of the tokenizer, and the
-cut falls between words. Text with no such position near the budget (long runs without spaces,
-CJK) is cut at a token boundary moved back to a character start, and that piece is re-counted.
+character. No pre-token of the tokenizer's splitting patterns (o200k, cl100k, p50k, r50k, gpt2,
+voyage3) holds a space after a non-space character, so such a position ends one pre-token and
+starts the next, and a piece running from one such position to another encodes to exactly the
+whole text's tokens between them: its count is a subtraction, not a second pass of the
+tokenizer, and the cut falls between words. Text with no such position near the budget (long
+runs without spaces, CJK) is cut at a token boundary moved back to a character start, and that
+piece is re-counted.
 """
 
 from __future__ import annotations

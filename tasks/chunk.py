@@ -31,10 +31,12 @@ class CutMemo(Protocol):
     def remember_chunk_cuts(self, budget: str, cuts: pl.DataFrame, recipe: str) -> None: ...
 
 
-CUTS_VERSION = 2
-"""Version of the cutting recipe (`lowtide.splitting`, the tokenizer's slicing): bump it when any
-of them changes, so remembered cuts are not reused. 2: cuts between words, counted without a
-second pass of the tokenizer."""
+CUTS_VERSION = 1
+"""Version of the cutting recipe: bump it only when remembered cuts become wrong (a piece over
+its budget or miscounted), not when a new recipe merely cuts differently. A bump re-cuts every
+long text, so their requests change and miss the row cache: every long row is asked and paid
+again. Cutting between words (`lowtide.splitting`) kept version 1: a text cut before keeps its
+pieces, and its answers."""
 
 
 @lru_cache(maxsize=1)

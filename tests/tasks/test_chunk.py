@@ -12,6 +12,7 @@ from lowtide import splitting, tokens
 from lowtide.splitting import split_spans, split_text
 from lowtide.store import Store
 from lowtide.store.chunk_cuts import CUTS_SCHEMA
+from lowtide.store.compute import md5_hex
 from lowtide.tokens import count_tokens
 from tasks import chunk
 from tasks.chunk import chunk_units
@@ -270,6 +271,33 @@ def test_the_encodings_a_job_may_name_are_the_tokenizers() -> None:
     import bpe_openai
 
     assert list(tokens.ENCODINGS) == bpe_openai.list_encoding_names()
+
+
+def test_cuts_remembered_by_earlier_releases_stay_in_use(tmp_path: Path) -> None:
+    # earlier releases cut "word word ..." at token boundaries; the cutter now cuts between
+    # words, but a text an earlier night cut keeps its remembered pieces (so its requests, and
+    # their cached answers, stay the same): changing the key would re-ask every long row
+    from importlib import metadata
+
+    key = f"v1:bpe-openai {metadata.version('bpe-openai')}:o200k_base:100:0"
+    assert chunk.budget_key(100, 0, "o200k_base") == key
+    text = "word " * 300
+    store = Store(tmp_path / "state.duckdb")
+    old_cut = pl.DataFrame(
+        {
+            "text_md5": md5_hex(pl.Series([text])),
+            "starts": [[0, 493, 983, 1473]],
+            "lengths": [[493, 490, 490, 27]],
+            "tokens": [[98, 98, 98, 6]],
+        },
+        schema=CUTS_SCHEMA,
+    )
+    store.remember_chunk_cuts(key, old_cut, chunk.cut_recipe())
+    rows = pl.DataFrame({"source_id": ["a"], "text": [text]})
+    units = chunk_units(rows, max_tokens=100, memo=store)
+    pieces = [text[:493], text[493:983], text[983:1473], text[1473:]]
+    assert units.sort("chunk_index")["text"].to_list() == pieces  # cut mid-word, as then
+    assert units.sort("chunk_index")["unit_tokens"].to_list() == [98, 98, 98, 6]
 
 
 def test_cuts_of_an_older_cutter_are_dropped_when_new_ones_are_kept(tmp_path: Path) -> None:
