@@ -120,8 +120,8 @@ def split_spans(
         clean = _last_clean(cuts, start_tok, target) if going_back else None
         if clean is not None and target - clean <= reach:
             start_tok, a, clean_start = clean, int(offsets[clean]), True
-        elif going_back and _char_start(data, int(offsets[target])) > a:
-            start_tok, a, clean_start = target, _char_start(data, int(offsets[target])), False
+        elif going_back and (back := _char_start(data, int(offsets[target]))) > a:
+            start_tok, a, clean_start = target, back, False
         else:
             start_tok, a = end_tok, b
             clean_start = clean_end is not None and clean_end == end_tok

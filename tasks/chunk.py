@@ -87,7 +87,6 @@ def long_text_cuts(
         .agg("starts", "lengths", "tokens")
         .join(todo.select("text_md5").with_row_index("i"), on="i", how="right")
         .select(list(CUTS_SCHEMA))
-        .cast(CUTS_SCHEMA)  # type: ignore[arg-type]
     )
     if memo is not None:
         memo.remember_chunk_cuts(budget, fresh, cut_recipe())

@@ -2,10 +2,10 @@
 
 `src_<view>-rows` holds each distinct input row (its `source_id` and values) once, under
 `lowtide_row_key`, a hash of its values and column names. `run_sources` says which of those
-rows each run read. The view `src_<view>` joins the two back into one row per run and input row: what the job
-view, QA and exports read, and what analysts query. A night that changed 1% of its input adds
-the membership of every row (three short columns) and the content of the 1% only; before, each
-run stored a full copy of its input.
+rows each run read. The view `src_<view>` joins the two back into one row per run and input
+row: what the job view, QA and exports read, and what analysts query. A night that changed 1%
+of its input adds the membership of every row (three short columns) and the content of the 1%
+only; before, each run stored a full copy of its input.
 
 The hyphen in `src_<view>-rows` is a character no view name can hold (job names become view
 names with `-` turned into `_`), so no job's tables can collide with another's.
