@@ -112,6 +112,8 @@ def prepare(ctx: RunContext, run_id: str) -> None:
         units=deduped["row_units"],
         unique_requests=deduped["unique_requests"],
         cache_hits=deduped["cache_hits"],
+        carried_from=chunked["carried_from"],
+        rows_carried=chunked["rows_carried"],
     )
     progress.report("assemble")
     plan = assemble_task(ctx, run_id, deduped)

@@ -343,6 +343,8 @@ STATUS_FIELDS = (
     "error",
     "gate_note",
     "unchanged_from",
+    "carried_from",  # a changed night: the run whose units its unchanged rows kept, and how many
+    "rows_carried",
     "route_id",  # a [route]'s step: its first step's run, its place, when it ends or switched
     "route_step",
     "step_ends_at",

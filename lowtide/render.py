@@ -34,6 +34,11 @@ def run_summary(s: dict[str, Any]) -> None:
     rows = [
         ("job / backend", f"{s['job']} / {s['backend']} ({s['model']})"),
         ("rows", s.get("rows")),
+        *(
+            [("  unchanged, units kept from last run", s["rows_carried"])]
+            if s.get("rows_carried")
+            else []
+        ),
         ("units (after chunking)", s.get("units")),
         ("unique requests (incl. eval set)", s.get("unique_requests")),
         ("answered by earlier runs (cache)", s.get("cache_hits")),

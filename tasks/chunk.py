@@ -21,6 +21,7 @@ from lowtide.runlog import stage_log
 from lowtide.splitting import split_spans
 from lowtide.store.chunk_cuts import CUTS_SCHEMA
 from lowtide.store.compute import md5_hex
+from tasks.carry import unchanged_rows
 
 
 class CutMemo(Protocol):
@@ -198,21 +199,33 @@ def job_units(
 
 @task(name="chunk", task_run_name="chunk-{run_id}")
 def chunk_task(ctx: RunContext, run_id: str, loaded: dict) -> dict:
-    """Rows and eval rows → units, written to the run's work dir."""
+    """Rows and eval rows → units, written to the run's work dir; rows unchanged since the run
+    the job's view shows, all answered there, are left out and named for dedupe to carry."""
     started = time.perf_counter()
     job = ctx.job
     c = job.chunk
     evals = pl.read_parquet(loaded["eval"]) if loaded.get("eval") else None
-    units = job_units(job, pl.read_parquet(loaded["sources"]), evals, memo=ctx.store)
+    rows = pl.read_parquet(loaded["sources"])
+    out: dict = {"carried_from": None, "carried": None, "rows_carried": 0}
+    carried = unchanged_rows(ctx, run_id)
+    if carried is not None:
+        rows = rows.join(carried.source_ids, on="source_id", how="anti")
+        out["carried_from"] = carried.from_run
+        out["rows_carried"] = carried.source_ids.height
+        out["carried"] = str(ctx.work_dir(run_id) / "carried.parquet")
+        carried.source_ids.write_parquet(out["carried"])
+    units = job_units(job, rows, evals, memo=ctx.store)
     path = ctx.work_dir(run_id) / "units.parquet"
     units.write_parquet(path)
     n_units = units.filter(pl.col("kind") == "row").height
     stage_log(
         "chunk",
-        "%d rows → %d units (budget %d tokens) in %.1f s",
-        loaded["rows"],
+        "%d rows → %d units (budget %d tokens); %d unchanged rows keep run %s's units; in %.1f s",
+        rows.height,
         n_units,
         c.max_tokens,
+        out["rows_carried"],
+        out["carried_from"],
         time.perf_counter() - started,
     )
-    return {"units": str(path), "n_units": n_units}
+    return {**out, "units": str(path), "n_units": n_units}

@@ -182,11 +182,12 @@ def dedupe_task(ctx: RunContext, run_id: str, chunked: dict) -> dict:
     keyed = keyed.with_columns(
         pl.col("custom_id").is_in(cached["custom_id"].implode()).alias("cache_hit")
     )
-    store.save_units(run_id, keyed)
+    carried = pl.read_parquet(chunked["carried"]) if chunked.get("carried") else None
+    store.save_units(run_id, keyed, chunked.get("carried_from"), carried)
     crash_point("after_dedupe")
     path = ctx.work_dir(run_id) / "to_send.parquet"
     to_send.select("custom_id", "request_key", "user", "unit_tokens", "urgent").write_parquet(path)
-    row_units = keyed.filter(pl.col("kind") == "row")
+    counts = store.prepared_counts(run_id)  # with the carried units
     stage_log(
         "dedupe",
         "%d units → %d unique requests, %d answered by earlier runs, %d to send, in %.1f s",
@@ -198,10 +199,9 @@ def dedupe_task(ctx: RunContext, run_id: str, chunked: dict) -> dict:
     )
     return {
         "to_send": str(path),
-        "unique_requests": uniq.height,
-        "unique_row_requests": row_units.filter(pl.col("custom_id") != "")["custom_id"].n_unique(),
-        "cache_hits": cached.height,
+        "unique_requests": counts["unique_requests"],
+        "cache_hits": counts["cache_hits"],
         "attached": uniq.filter(~pl.col("answered") & pl.col("in_flight")).height,
         "n_to_send": to_send.height,
-        "row_units": row_units.height,
+        "row_units": counts["row_units"],
     }

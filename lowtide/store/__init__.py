@@ -9,6 +9,7 @@
 - `reports`: read models for status, summaries, reports and exports;
 - `history`: a job's runs over time, for the charts of `lowtide report`;
 - `unchanged`: the night nothing changed, recorded from the run the view already shows;
+- `carry`: the night a few rows changed: the unchanged rows' units copied from that run;
 - `cursor`: where an incremental job's next run starts reading (`[input] cursor_column`);
 - `route`: a `[route]`'s steps, the switch between engines and what it cost (`paid_twice`);
 - `chunk_cuts`: where long texts were cut, so a night tokenizes only texts it has not seen.

@@ -4,6 +4,7 @@ not load polars."""
 
 from __future__ import annotations
 
+from lowtide.store.carry import CarryStore
 from lowtide.store.chunk_cuts import ChunkCutsStore
 from lowtide.store.cursor import CursorStore
 from lowtide.store.history import HistoryStore, JobHistory
@@ -13,7 +14,6 @@ from lowtide.store.results import ResultsStore
 from lowtide.store.route import RouteStore
 from lowtide.store.runs import now
 from lowtide.store.sources import SourcesStore
-from lowtide.store.unchanged import UnchangedStore
 
 
 class Store(
@@ -21,7 +21,7 @@ class Store(
     ManifestStore,
     ResultsStore,
     HistoryStore,
-    UnchangedStore,
+    CarryStore,
     CursorStore,
     RouteStore,
     ChunkCutsStore,

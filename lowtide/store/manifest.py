@@ -62,7 +62,15 @@ requests: what dedupe attached to instead of sending again."""
 
 class ManifestStore(Database):
     # -- units ---------------------------------------------------------------------------------
-    def save_units(self, run_id: str, units: pl.DataFrame) -> None:
+    def save_units(
+        self,
+        run_id: str,
+        units: pl.DataFrame,
+        carried_from: str | None = None,
+        carried: pl.DataFrame | None = None,
+    ) -> None:
+        """The run's units; with `carried_from`, also that run's row units of the input rows in
+        `carried` (source_id), copied as cache hits (`CarryStore.unchanged_answered_rows`)."""
         with self._transaction() as con:
             con.register("incoming", units)
             con.execute("DELETE FROM units WHERE run_id = ?", [run_id])
@@ -71,6 +79,29 @@ class ManifestStore(Database):
                 "chunk_index, n_chunks, unit_tokens, custom_id, cache_hit FROM incoming",
                 [run_id],
             )
+            if carried_from is not None and carried is not None and carried.height:
+                con.register("carried", carried.select("source_id"))
+                con.execute(
+                    "INSERT INTO units BY NAME SELECT ?::VARCHAR AS run_id, unit_id, source_id, "
+                    "kind, chunk_index, n_chunks, unit_tokens, custom_id, true AS cache_hit "
+                    "FROM units WHERE run_id = ? AND kind = 'row' "
+                    "AND source_id IN (SELECT source_id FROM carried)",
+                    [run_id, carried_from],
+                )
+
+    def prepared_counts(self, run_id: str) -> dict[str, int]:
+        """The run's row units, distinct requests (eval set included) and distinct requests an
+        earlier run answered, as saved."""
+        with self._connect() as con:
+            row = con.execute(
+                "SELECT count(*) FILTER (kind = 'row'), "
+                "count(DISTINCT custom_id) FILTER (custom_id <> ''), "
+                "count(DISTINCT custom_id) FILTER (cache_hit AND custom_id <> '') "
+                "FROM units WHERE run_id = ?",
+                [run_id],
+            ).fetchone()
+        assert row is not None
+        return {"row_units": row[0], "unique_requests": row[1], "cache_hits": row[2]}
 
     def known_outcomes(self, custom_ids: pl.Series) -> pl.DataFrame:
         """Which of these requests are already answered, or already in a live batch."""

@@ -342,6 +342,17 @@ MIGRATIONS.append(
     )
 )
 
+MIGRATIONS.append(
+    (
+        15,
+        "a night's unchanged rows keep the units of the run the view showed (not chunked again)",
+        """
+        ALTER TABLE runs ADD COLUMN carried_from VARCHAR;  -- the run whose units it copied
+        ALTER TABLE runs ADD COLUMN rows_carried BIGINT;   -- input rows that kept those units
+        """,
+    )
+)
+
 LATEST = MIGRATIONS[-1][0]
 
 

@@ -209,7 +209,15 @@ class RunsStore(Database):
         return run_id
 
     def record_prepared(
-        self, run_id: str, *, rows: int, units: int, unique_requests: int, cache_hits: int
+        self,
+        run_id: str,
+        *,
+        rows: int,
+        units: int,
+        unique_requests: int,
+        cache_hits: int,
+        carried_from: str | None = None,
+        rows_carried: int = 0,
     ) -> None:
         """The run's counts, written before the manifest so a crash leaves a countable run."""
         self._update(
@@ -221,6 +229,8 @@ class RunsStore(Database):
             unique_requests=unique_requests,
             cache_hits=cache_hits,
             requests_sent=0,
+            carried_from=carried_from,
+            rows_carried=rows_carried,
         )
 
     def record_estimate(self, run_id: str, estimate_usd: float | None) -> None:

@@ -15,7 +15,7 @@ import polars as pl
 import pytest
 
 from flows.enrich import enrich
-from lowtide.emulator import Emulator
+from lowtide.emulator import Emulator, EmulatorConfig
 from tests.integration.conftest import lowtide_cli, write_job
 
 pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.slow]
@@ -128,3 +128,53 @@ def test_the_cli_answers_an_unchanged_night_without_starting_prefect(
     # every later night points at the run whose rows the view shows, and asked nothing
     assert {r["unchanged_from"] for r in runs[:-1]} == {first_run["run_id"]}
     assert {r["requests_sent"] for r in runs[:-1]} == {0}
+
+
+def test_a_changed_night_chunks_and_asks_only_its_new_and_changed_rows(tmp_path: Path) -> None:
+    """Rows unchanged since the shown run keep that run's units (copied, all cache hits); a new
+    row, a changed row and a row that failed there go through chunk → dedupe, and only the new
+    and changed ones are asked."""
+    job = write_job(tmp_path, rows=40, eval_rows=5, replace=NO_EVAL_EACH_RUN)
+    messages = tmp_path / "messages.csv"
+    frame = pl.read_csv(messages, infer_schema=False)
+    blank = pl.int_range(pl.len()) == 5  # no text: a row that fails with a reason
+    frame.with_columns(pl.when(blank).then(pl.lit("")).otherwise("body").alias("body")).write_csv(
+        messages
+    )
+    with Emulator(EmulatorConfig(time_scale=600.0, error_rate=0.0, seed=5)) as emu:
+        first = enrich(job_file=str(job), emulator_url=emu.base_url)
+        assert (first["succeeded"], first["failed"]) == (39, 1)
+        assert first["rows_carried"] == 0 and first["carried_from"] is None
+        asked = sum(emu.ledger.count_by_custom_id().values())
+
+        frame = pl.read_csv(messages, infer_schema=False)
+        changed_id, dropped_id = frame["message_id"][3], frame["message_id"][7]
+        new_row = frame.head(1).with_columns(
+            pl.lit("m999999").alias("message_id"),
+            pl.lit("The courier left my parcel in the rain and it is soaked.").alias("body"),
+        )
+        changed = frame.with_columns(
+            pl.when(pl.col("message_id") == changed_id)
+            .then(pl.lit("Please cancel my subscription before the next renewal."))
+            .otherwise("body")
+            .alias("body")
+        ).filter(pl.col("message_id") != dropped_id)
+        pl.concat([changed, new_row]).write_csv(messages)
+
+        second = enrich(job_file=str(job), emulator_url=emu.base_url)
+        assert second["status"] == "completed" and second.get("unchanged_from") is None
+        # 40 rows: 37 unchanged and answered, the changed one, the blank one, the new one
+        assert (second["carried_from"], second["rows_carried"]) == (first["run_id"], 37)
+        assert second["requests_sent"] == 2
+        assert sum(emu.ledger.count_by_custom_id().values()) == asked + 2
+        assert (second["rows"], second["succeeded"], second["failed"]) == (40, 39, 1)
+        # every distinct request but the two asked (eval set included) was answered before
+        assert second["unique_requests"] == second["cache_hits"] + 2
+
+    view = dict(
+        _published(tmp_path, "SELECT message_id, body FROM support_intents ORDER BY message_id")
+    )
+    assert len(view) == 40 and dropped_id not in view
+    assert view["m999999"].startswith("The courier") and view[changed_id].startswith("Please")
+    shown = _published(tmp_path, "SELECT DISTINCT run_id FROM support_intents")
+    assert shown == [(second["run_id"],)]
