@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -68,9 +69,10 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-def _with_progress(call, flow_module: str):  # noqa: ANN001, ANN202 - any flow call
+def _with_progress(call, flow_module: str, warm_ups=()):  # noqa: ANN001, ANN202 - any flow call
     """Run a flow call with a live progress display (errors are reported by `main`); the
-    call's `flow_module` is imported while Prefect's temporary server starts."""
+    call's `flow_module` is imported while Prefect's temporary server starts, then `warm_ups`
+    for as long as it is still starting."""
     _prefect_env()
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -98,7 +100,7 @@ def _with_progress(call, flow_module: str):  # noqa: ANN001, ANN202 - any flow c
             from lowtide.prefect_server import start_tied_server
 
             # a SIGKILLed run must not leave Prefect's server behind
-            start_tied_server(lambda: importlib.import_module(flow_module))
+            start_tied_server(lambda: importlib.import_module(flow_module), warm_ups)
             return call()
         finally:
             progress_channel.set_reporter(None)
@@ -137,7 +139,16 @@ def _run_job(
             emulator_url=emulator_url,
         )
 
-    return _with_progress(call, "flows.enrich")
+    return _with_progress(call, "flows.enrich", _run_warm_ups(job, wait))
+
+
+def _run_warm_ups(job: Any, wait: bool) -> list[Callable[[], object]]:
+    """What a run imports later, done while Prefect's server boots: its backend's SDK, the
+    tokenizer (long texts are counted), and the report's charts (drawn when a run finishes)."""
+    from lowtide.tokens import get_encoding
+
+    ups = [backend_entry(job.model.backend).capabilities, lambda: get_encoding(job.chunk.encoding)]
+    return [*ups, lambda: importlib.import_module("lowtide.charts")] if wait else ups
 
 
 def _exit_for(summary: dict[str, Any], wait: bool = True) -> None:
@@ -322,36 +333,6 @@ def sql(
     render.published_query(query, db or Settings().db)
 
 
-STATUS_FIELDS = (
-    "run_id",
-    "job",
-    "backend",
-    "model",
-    "status",
-    "rows",
-    "succeeded",
-    "failed",
-    "unique_requests",
-    "requests_sent",
-    "cache_hits",
-    "cost_usd",
-    "estimate_usd",
-    "eval_accuracy",
-    "started_at",
-    "finished_at",
-    "published_at",
-    "error",
-    "gate_note",
-    "unchanged_from",
-    "carried_from",  # a changed night: the run whose units its unchanged rows kept, and how many
-    "rows_carried",
-    "route_id",  # a [route]'s step: its first step's run, its place, when it ends or switched
-    "route_step",
-    "step_ends_at",
-    "switched_at",
-)
-
-
 @app.command()
 def status(
     run_id: Annotated[str | None, typer.Argument(help="One run (default: all runs).")] = None,
@@ -372,7 +353,7 @@ def status(
     store = Store(settings.state, settings.lock_timeout_s)
     if run_id:
         store.require_run(run_id)
-    records = store.status_records(run_id, STATUS_FIELDS)
+    records = store.status_records(run_id, render.STATUS_FIELDS)
     if as_json:
         print(orjson.dumps(records, default=str, option=orjson.OPT_INDENT_2).decode())
         return

@@ -22,6 +22,37 @@ console = Console()
 err_console = Console(stderr=True, soft_wrap=True)
 
 
+# `status --json` fields, a contract scripts rely on: extend, never rename
+STATUS_FIELDS = (
+    "run_id",
+    "job",
+    "backend",
+    "model",
+    "status",
+    "rows",
+    "succeeded",
+    "failed",
+    "unique_requests",
+    "requests_sent",
+    "cache_hits",
+    "cost_usd",
+    "estimate_usd",
+    "eval_accuracy",
+    "started_at",
+    "finished_at",
+    "published_at",
+    "error",
+    "gate_note",
+    "unchanged_from",
+    "carried_from",  # a changed night: the run whose units its unchanged rows kept, and how many
+    "rows_carried",
+    "route_id",  # a [route]'s step: its first step's run, its place, when it ends or switched
+    "route_step",
+    "step_ends_at",
+    "switched_at",
+)
+
+
 def run_summary(s: dict[str, Any]) -> None:
     """A run's numbers as a table (with where cached answers came from), a note when every row
     came from the cache, and one when a real backend's run holds the emulator's answers."""
