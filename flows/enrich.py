@@ -114,6 +114,8 @@ def prepare(ctx: RunContext, run_id: str) -> None:
         cache_hits=deduped["cache_hits"],
         carried_from=chunked["carried_from"],
         rows_carried=chunked["rows_carried"],
+        spec_digest=spec_digest(ctx.job),
+        units_recipe=chunked["units_recipe"],
     )
     progress.report("assemble")
     plan = assemble_task(ctx, run_id, deduped)

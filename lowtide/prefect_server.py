@@ -101,7 +101,7 @@ class _Server:
         limit = prefect_startup_timeout_s()
         deadline = time.monotonic() + limit
         restarts = 0
-        while time.monotonic() < deadline:
+        while True:  # health is checked once more after the last wait or warm-up
             code = self.process.poll()
             if code == 3 and restarts < 3:  # uvicorn's start-up failure: the port was taken
                 restarts += 1
@@ -115,6 +115,8 @@ class _Server:
                         return
             except OSError:  # not listening yet (URLError and timeouts are OSErrors)
                 pass
+            if time.monotonic() >= deadline:
+                break
             if warm_ups:
                 with contextlib.suppress(Exception):  # the real import, later, says what failed
                     warm_ups.pop(0)()

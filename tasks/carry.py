@@ -22,10 +22,10 @@ class Carried:
     """One column, `source_id`: the rows whose units are copied from `from_run`."""
 
 
-def unchanged_rows(ctx: RunContext, run_id: str) -> Carried | None:
+def unchanged_rows(ctx: RunContext, run_id: str, units_recipe: str) -> Carried | None:
     """The rows of the run whose units can be copied, and from which run; None when no earlier
-    run fits (a first night, a changed job spec, backend or model) or the run is a route's step
-    (whose units may take another engine's answers, `carry_route_answers`)."""
+    run fits (a first night; a changed job spec, backend, model or `units_recipe`) or the run is
+    a route's step (whose units may take another engine's answers, `carry_route_answers`)."""
     store, job = ctx.store, ctx.job
     if store.require_run(run_id)["route_step"] is not None:
         return None
@@ -35,6 +35,7 @@ def unchanged_rows(ctx: RunContext, run_id: str) -> Carried | None:
         model=job.model.name,
         job_fingerprint=job.prompt_fingerprint(),
         spec_digest=spec_digest(job),
+        units_recipe=units_recipe,
     )
     if source is None:
         return None

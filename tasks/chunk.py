@@ -7,6 +7,7 @@ chunks of a row (without overlap) concatenate to the row's exact text.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from functools import lru_cache
 from importlib import metadata
@@ -22,6 +23,7 @@ from lowtide.splitting import split_spans
 from lowtide.store.chunk_cuts import CUTS_SCHEMA
 from lowtide.store.compute import md5_hex
 from tasks.carry import unchanged_rows
+from tasks.dedupe import CUSTOM_ID_VERSION
 
 
 class CutMemo(Protocol):
@@ -48,6 +50,15 @@ def _tokenizer_version() -> str:
 def cut_recipe() -> str:
     """The cutting recipe and the tokenizer's version: cuts remembered under another are dead."""
     return f"v{CUTS_VERSION}:bpe-openai {_tokenizer_version()}"
+
+
+def units_recipe(schema: pl.Schema) -> str:
+    """What a row's units depend on besides its values and the job spec: the types its columns
+    were read with (a content key does not see them, but `0` and `0.0` render differently), and
+    the cutting and custom_id recipes. A run whose recipe differs cannot lend its units."""
+    columns = ",".join(f"{name}:{dtype!r}" for name, dtype in sorted(schema.items()))
+    text = f"{cut_recipe()}|{CUSTOM_ID_VERSION}|{columns}"
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
 def budget_key(max_tokens: int, overlap: int, encoding: str) -> str:
@@ -206,8 +217,9 @@ def chunk_task(ctx: RunContext, run_id: str, loaded: dict) -> dict:
     c = job.chunk
     evals = pl.read_parquet(loaded["eval"]) if loaded.get("eval") else None
     rows = pl.read_parquet(loaded["sources"])
-    out: dict = {"carried_from": None, "carried": None, "rows_carried": 0}
-    carried = unchanged_rows(ctx, run_id)
+    recipe = units_recipe(rows.schema)
+    out: dict = {"carried_from": None, "carried": None, "rows_carried": 0, "units_recipe": recipe}
+    carried = unchanged_rows(ctx, run_id, recipe)
     if carried is not None:
         rows = rows.join(carried.source_ids, on="source_id", how="anti")
         out["carried_from"] = carried.from_run

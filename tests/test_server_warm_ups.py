@@ -9,9 +9,11 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 
+from lowtide import prefect_server
 from lowtide.prefect_server import _free_port, _Server
 
 
@@ -63,3 +65,22 @@ def test_warm_ups_run_while_the_server_boots_and_stop_once_it_answers(
 
     server.wait_until_healthy(None, [first, second_fails_and_the_server_answers, third])
     assert calls == ["first", "second"]
+
+
+def test_a_warm_up_that_outlasts_the_start_up_limit_does_not_fail_a_server_that_answers(
+    booting: tuple[_Server, list[http.server.HTTPServer]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slow warm-up (matplotlib building its font cache) may end past the limit: the server is
+    asked once more before it is given up on. The clock here is the test's own."""
+    server, started = booting
+    now = [0.0]
+    monkeypatch.setattr(prefect_server, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(prefect_server, "prefect_startup_timeout_s", lambda: 60.0)
+
+    def slow_warm_up() -> None:
+        api = http.server.HTTPServer(("127.0.0.1", server.port), _Healthy)
+        threading.Thread(target=api.serve_forever, daemon=True).start()
+        started.append(api)
+        now[0] += 61.0  # it ends after the limit
+
+    server.wait_until_healthy(None, [slow_warm_up])

@@ -22,18 +22,32 @@ from lowtide.vocabulary import ANSWERED, RunStatus
 
 class CarryStore(UnchangedStore):
     def carry_source(
-        self, job: str, *, backend: str, model: str, job_fingerprint: str, spec_digest: str
+        self,
+        job: str,
+        *,
+        backend: str,
+        model: str,
+        job_fingerprint: str,
+        spec_digest: str,
+        units_recipe: str,
     ) -> str | None:
         """The run whose units an unchanged row can take: the one the job's view shows, when it
-        was made by the same job spec on the same backend and model; else None."""
+        was made by the same job spec on the same backend and model, from columns of the same
+        types with the same cutting and custom_id recipes (`units_recipe`), and was not a
+        route's step (whose units may hold another engine's answers); else None."""
         shown = self.shown_run(job)
-        if shown is None or shown["status"] != RunStatus.COMPLETED.value:
+        if (
+            shown is None
+            or shown["status"] != RunStatus.COMPLETED.value
+            or shown["route_step"] is not None
+        ):
             return None
         same: dict[str, Any] = {
             "backend": backend,
             "model": model,
             "job_fingerprint": job_fingerprint,
             "spec_digest": spec_digest,
+            "units_recipe": units_recipe,
         }
         if any(shown[k] != v for k, v in same.items()):
             return None

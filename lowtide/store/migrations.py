@@ -349,6 +349,7 @@ MIGRATIONS.append(
         """
         ALTER TABLE runs ADD COLUMN carried_from VARCHAR;  -- the run whose units it copied
         ALTER TABLE runs ADD COLUMN rows_carried BIGINT;   -- input rows that kept those units
+        ALTER TABLE runs ADD COLUMN units_recipe VARCHAR;  -- column types, cut and custom_id recipes
         """,
     )
 )

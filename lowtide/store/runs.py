@@ -218,8 +218,13 @@ class RunsStore(Database):
         cache_hits: int,
         carried_from: str | None = None,
         rows_carried: int = 0,
+        spec_digest: str | None = None,
+        units_recipe: str | None = None,
     ) -> None:
-        """The run's counts, written before the manifest so a crash leaves a countable run."""
+        """The run's counts, written before the manifest so a crash leaves a countable run, with
+        the job spec and units recipe its units were made under (a run resumed after the job
+        file changed is prepared under the new spec)."""
+        made_under = {"spec_digest": spec_digest, "units_recipe": units_recipe}
         self._update(
             "runs",
             "run_id",
@@ -231,6 +236,7 @@ class RunsStore(Database):
             requests_sent=0,
             carried_from=carried_from,
             rows_carried=rows_carried,
+            **{k: v for k, v in made_under.items() if v is not None},
         )
 
     def record_estimate(self, run_id: str, estimate_usd: float | None) -> None:
