@@ -12,16 +12,9 @@ import polars as pl
 
 from lowtide.store import Store
 from tasks.chunk import units_recipe
+from tests.store import runs
 
-RUN = {
-    "job": "j",
-    "job_fingerprint": "f",
-    "job_file": "job.toml",
-    "backend": "openai",
-    "model": "m",
-    "input_fingerprint": "i",
-    "spec_digest": "s",
-}
+RUN = {**runs.RUN, "spec_digest": "s"}
 ASK = {
     "backend": "openai",
     "model": "m",
@@ -43,16 +36,7 @@ def _shown_run(store: Store, run_id: str, recipe: str = "u") -> None:
         spec_digest="s",
         units_recipe=recipe,
     )
-    store.finish_run(
-        run_id,
-        hold_reasons=[],
-        succeeded=1,
-        failed=0,
-        eval_accuracy=None,
-        cost_usd=0.0,
-        realtime_cost_usd=0.0,
-        naive_cost_usd=0.0,
-    )
+    runs.finish(store, run_id)
     store.mark_published(run_id)
 
 

@@ -5,28 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lowtide.store import Store
-
-RUN = {
-    "job": "j",
-    "job_fingerprint": "f",
-    "job_file": "job.toml",
-    "backend": "openai",
-    "model": "m",
-    "input_fingerprint": "i",
-}
-
-
-def _finish(store: Store, run_id: str) -> None:
-    store.finish_run(
-        run_id,
-        hold_reasons=[],
-        succeeded=1,
-        failed=0,
-        eval_accuracy=None,
-        cost_usd=0.0,
-        realtime_cost_usd=0.0,
-        naive_cost_usd=0.0,
-    )
+from tests.store.runs import RUN, finish
 
 
 def test_a_second_start_resumes_the_first_run_instead_of_opening_another(tmp_path: Path) -> None:
@@ -44,7 +23,7 @@ def test_a_completed_run_is_resumed_until_it_is_published(tmp_path: Path) -> Non
     rather than asking everything again in a new one; once published, a rerun is a new run."""
     store = Store(tmp_path / "state.duckdb")
     store.open_or_resume_run(run_id="r1", **RUN)
-    _finish(store, "r1")
+    finish(store, "r1")
     assert store.get_run("r1")["status"] == "completed"
     assert store.open_or_resume_run(run_id="r2", **RUN) == "r1"
     store.mark_published("r1")

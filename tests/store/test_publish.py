@@ -8,6 +8,7 @@ import polars as pl
 
 from lowtide.store import Store
 from tests.sql import query
+from tests.store.runs import finish
 
 SCHEMA = {
     "type": "object",
@@ -72,17 +73,7 @@ def _seed(store: Store, run_id: str, label: str) -> None:
             }
         )
     )
-    status = store.finish_run(
-        run_id,
-        hold_reasons=[],
-        succeeded=1,
-        failed=0,
-        eval_accuracy=None,
-        cost_usd=0.0,
-        realtime_cost_usd=0.0,
-        naive_cost_usd=0.0,
-    )
-    assert status == "completed"
+    assert finish(store, run_id) == "completed"
     store.mark_published(run_id)  # as publish_task does once the file is written
 
 

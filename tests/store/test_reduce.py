@@ -12,6 +12,7 @@ import polars as pl
 import pytest
 
 from lowtide.store import Store
+from tests.store.runs import finish
 
 SCHEMA = {
     "type": "object",
@@ -99,16 +100,7 @@ def _publish(tmp_path: Path, reduce: dict[str, str]) -> duckdb.DuckDBPyConnectio
             }
         )
     )
-    store.finish_run(
-        "r1",
-        hold_reasons=[],
-        succeeded=2,
-        failed=2,
-        eval_accuracy=None,
-        cost_usd=0.0,
-        realtime_cost_usd=0.0,
-        naive_cost_usd=0.0,
-    )
+    finish(store, "r1", succeeded=2, failed=2)
     db = store.publish(tmp_path / "pub.duckdb", showing="r1")
     store.mark_published("r1")
     return duckdb.connect(str(db), read_only=True)
