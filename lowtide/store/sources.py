@@ -98,6 +98,23 @@ def split_copied_sources(con: duckdb.DuckDBPyConnection) -> None:
         con.execute(source_view_sql(view))
 
 
+def common_type(stored: str, incoming: str) -> str:
+    """The type a content column takes when a night reads it as another type: one that holds
+    both without loss (BIGINT and DOUBLE: DOUBLE; DATE and TIMESTAMP: TIMESTAMP), text when one
+    side is text or DuckDB knows none. Inserting as-is cast 4.5 into a BIGINT column as 4."""
+    if "VARCHAR" in (stored, incoming):
+        return "VARCHAR"
+    with duckdb.connect() as con:  # its own: a failed query would abort the caller's transaction
+        try:
+            row = con.execute(
+                f"SELECT typeof(x) FROM (SELECT NULL::{stored} AS x "  # noqa: S608 - type names
+                f"UNION ALL SELECT NULL::{incoming}) LIMIT 1"
+            ).fetchone()
+        except duckdb.Error:
+            return "VARCHAR"
+    return str(row[0]) if row else "VARCHAR"
+
+
 class SourcesStore(Database):
     def save_sources(self, view: str, run_id: str, rows: pl.DataFrame) -> None:
         """Keep the run's input rows (typed) so the job view can show them next to outputs:
@@ -111,13 +128,27 @@ class SourcesStore(Database):
                 "SELECT 0::UBIGINT AS lowtide_row_key, * FROM incoming LIMIT 0"
             )
             # an input that gained columns since earlier runs: widen the table (old rows: NULL)
-            have = set(table_columns(con, content_table(view)))
+            stored = dict(
+                con.execute(
+                    "SELECT column_name, data_type FROM duckdb_columns() "
+                    "WHERE database_name = current_database() AND schema_name = 'main' "
+                    "AND table_name = ?",
+                    [content_table(view)],
+                ).fetchall()
+            )
             types = dict(
                 con.execute("SELECT column_name, column_type FROM (DESCRIBE incoming)").fetchall()
             )
             for column in rows.columns:
-                if column not in have:
+                if column not in stored:
                     con.execute(f"ALTER TABLE {content} ADD COLUMN {ident(column)} {types[column]}")
+                elif stored[column] != types[column]:
+                    # a column read as another type tonight (ints that gained a 4.5): widen it
+                    wider = common_type(stored[column], types[column])
+                    if wider != stored[column]:
+                        con.execute(
+                            f"ALTER TABLE {content} ALTER COLUMN {ident(column)} TYPE {wider}"
+                        )
             con.execute(source_view_sql(view))
             con.execute(f"DELETE FROM {MEMBERS} WHERE view = ? AND run_id = ?", [view, run_id])
             con.execute(

@@ -78,3 +78,31 @@ def test_a_state_file_from_before_keeps_every_runs_rows(tmp_path: Path) -> None:
         ),
     )
     assert scalar(store, 'SELECT count(*) FROM "src_x-rows"') == 3
+
+
+def test_a_column_read_as_another_type_is_widened_not_truncated(tmp_path: Path) -> None:
+    """A number column whose new rows gain a fraction, a date column that gains times, an id
+    column that gains letters: the stored column takes a type that holds old and new values
+    (inserting as-is stored 4.5 in a BIGINT column as 4, and 'x' stopped the load)."""
+    store = Store(tmp_path / "state.duckdb")
+    store.save_sources(
+        "x",
+        "r1",
+        pl.DataFrame({"source_id": ["a"], "rating": [4], "code": [7], "body": ["one"]}),
+    )
+    store.save_sources(
+        "x",
+        "r2",
+        pl.DataFrame(
+            {
+                "source_id": ["a", "b"],
+                "rating": [4.0, 4.5],
+                "code": ["7", "x7"],
+                "body": ["one", "two"],
+            }
+        ),
+    )
+    assert query(
+        store, "SELECT source_id, rating, code FROM src_x WHERE run_id = 'r2' ORDER BY source_id"
+    ).rows() == [("a", 4.0, "7"), ("b", 4.5, "x7")]
+    assert query(store, "SELECT rating, code FROM src_x WHERE run_id = 'r1'").rows() == [(4.0, "7")]
