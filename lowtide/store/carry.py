@@ -31,16 +31,16 @@ class CarryStore(UnchangedStore):
         spec_digest: str,
         units_recipe: str,
     ) -> str | None:
-        """The run whose units an unchanged row can take: the one the job's view shows, when it
-        was made by the same job spec on the same backend and model, from columns of the same
-        types with the same cutting and custom_id recipes (`units_recipe`), and was not a
-        route's step (whose units may hold another engine's answers); else None."""
+        """The run whose units an unchanged row can take: the one whose rows the job's view
+        shows (through an unchanged night, the run it points at), when it was made by the same
+        job spec on the same backend and model, from columns of the same types with the same
+        cutting and custom_id recipes (`units_recipe`), and was not a route's step (whose units
+        may hold another engine's answers); else None."""
         shown = self.shown_run(job)
-        if (
-            shown is None
-            or shown["status"] != RunStatus.COMPLETED.value
-            or shown["route_step"] is not None
-        ):
+        if shown is None or shown["status"] != RunStatus.COMPLETED.value:
+            return None
+        lender = shown if shown["rows_run"] == shown["run_id"] else self.get_run(shown["rows_run"])
+        if lender is None or lender["route_step"] is not None:
             return None
         same: dict[str, Any] = {
             "backend": backend,
@@ -49,9 +49,9 @@ class CarryStore(UnchangedStore):
             "spec_digest": spec_digest,
             "units_recipe": units_recipe,
         }
-        if any(shown[k] != v for k, v in same.items()):
+        if any(lender[k] != v for k, v in same.items()):
             return None
-        return str(shown["rows_run"])
+        return str(lender["run_id"])
 
     def unchanged_answered_rows(
         self, view: str, run_id: str, from_run: str, custom_id_prefix: str

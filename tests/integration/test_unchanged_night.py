@@ -146,6 +146,9 @@ def test_a_changed_night_chunks_and_asks_only_its_new_and_changed_rows(tmp_path:
         assert (first["succeeded"], first["failed"]) == (39, 1)
         assert first["rows_carried"] == 0 and first["carried_from"] is None
         asked = sum(emu.ledger.count_by_custom_id().values())
+        # an unchanged night between: the view then shows a run that points at the first
+        unchanged = enrich(job_file=str(job), emulator_url=emu.base_url)
+        assert unchanged["unchanged_from"] == first["run_id"]
 
         frame = pl.read_csv(messages, infer_schema=False)
         changed_id, dropped_id = frame["message_id"][3], frame["message_id"][7]
