@@ -142,13 +142,18 @@ class SourcesStore(Database):
             for column in rows.columns:
                 if column not in stored:
                     con.execute(f"ALTER TABLE {content} ADD COLUMN {ident(column)} {types[column]}")
-                elif stored[column] != types[column]:
+                elif stored[column] != types[column] and rows[column].null_count() < rows.height:
                     # a column read as another type tonight (ints that gained a 4.5): widen it
+                    # (one empty tonight, read as text, fits any column as it is)
                     wider = common_type(stored[column], types[column])
+                    c = ident(column)
+                    if con.execute(  # DuckDB's common type may not hold tonight's values
+                        f"SELECT count(*) FROM incoming WHERE {c} IS NOT NULL "  # noqa: S608
+                        f"AND TRY_CAST({c} AS {wider}) IS NULL"
+                    ).fetchall()[0][0]:
+                        wider = "VARCHAR"
                     if wider != stored[column]:
-                        con.execute(
-                            f"ALTER TABLE {content} ALTER COLUMN {ident(column)} TYPE {wider}"
-                        )
+                        con.execute(f"ALTER TABLE {content} ALTER COLUMN {c} TYPE {wider}")
             con.execute(source_view_sql(view))
             con.execute(f"DELETE FROM {MEMBERS} WHERE view = ? AND run_id = ?", [view, run_id])
             con.execute(

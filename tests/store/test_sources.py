@@ -3,6 +3,7 @@ one row per run and input row."""
 
 from __future__ import annotations
 
+from datetime import date
 from pathlib import Path
 
 import duckdb
@@ -106,3 +107,32 @@ def test_a_column_read_as_another_type_is_widened_not_truncated(tmp_path: Path) 
         store, "SELECT source_id, rating, code FROM src_x WHERE run_id = 'r2' ORDER BY source_id"
     ).rows() == [("a", 4.0, "7"), ("b", 4.5, "x7")]
     assert query(store, "SELECT rating, code FROM src_x WHERE run_id = 'r1'").rows() == [(4.0, "7")]
+
+
+def test_a_column_empty_tonight_keeps_its_type_and_one_duckdb_cannot_widen_becomes_text(
+    tmp_path: Path,
+) -> None:
+    """An optional column empty tonight is read as text; it fits the stored column as it is (it
+    does not turn every earlier run's numbers into text). DATE and BIGINT have DuckDB's common
+    type DATE, which cannot hold 7: the column becomes text instead of stopping the load."""
+    store = Store(tmp_path / "state.duckdb")
+    first = pl.DataFrame({"source_id": ["a"], "rating": [4], "seen": [date(2026, 1, 2)]})
+    store.save_sources("x", "r1", first)
+    empty = pl.DataFrame(
+        {"source_id": ["b"], "rating": [None], "seen": [date(2026, 1, 3)]},
+        schema_overrides={"rating": pl.String},
+    )
+    store.save_sources("x", "r2", empty)
+    types = dict(
+        query(
+            store,
+            "SELECT column_name, data_type FROM duckdb_columns() WHERE table_name = 'src_x-rows'",
+        ).rows()
+    )
+    assert types["rating"] == "BIGINT"
+    store.save_sources("x", "r3", pl.DataFrame({"source_id": ["c"], "rating": [5], "seen": [7]}))
+    assert query(store, "SELECT rating, seen FROM src_x ORDER BY run_id").rows() == [
+        (4, "2026-01-02"),
+        (None, "2026-01-03"),
+        (5, "7"),
+    ]
