@@ -12,7 +12,6 @@ import polars as pl
 
 from lowtide.context import RunContext
 from lowtide.input_identity import spec_digest
-from tasks.dedupe import CUSTOM_ID_VERSION
 
 
 @dataclass(frozen=True)
@@ -39,5 +38,5 @@ def unchanged_rows(ctx: RunContext, run_id: str, units_recipe: str) -> Carried |
     )
     if source is None:
         return None
-    ids = store.unchanged_answered_rows(job.view_name, run_id, source, CUSTOM_ID_VERSION + "_")
+    ids = store.unchanged_answered_rows(job.view_name, run_id, source)
     return Carried(source, ids) if ids.height else None

@@ -53,12 +53,10 @@ class CarryStore(UnchangedStore):
             return None
         return str(lender["run_id"])
 
-    def unchanged_answered_rows(
-        self, view: str, run_id: str, from_run: str, custom_id_prefix: str
-    ) -> pl.DataFrame:
+    def unchanged_answered_rows(self, view: str, run_id: str, from_run: str) -> pl.DataFrame:
         """`source_id` of the run's input rows that `from_run` read with the same content and
-        whose every row unit there has an answer under a custom_id of the current recipe
-        (`custom_id_prefix`): their units can be carried over as they are."""
+        whose every row unit there has an answer: their units can be carried over as they are
+        (`carry_source` made sure `from_run` keyed them under the current custom_id recipe)."""
         return self._query(
             f"""
             WITH answered AS (
@@ -66,8 +64,7 @@ class CarryStore(UnchangedStore):
                 FROM units u LEFT JOIN results r USING (custom_id)
                 WHERE u.run_id = $from AND u.kind = 'row'
                 GROUP BY u.source_id
-                HAVING bool_and(starts_with(u.custom_id, $prefix)
-                                AND coalesce(list_contains($answered, r.outcome), false))
+                HAVING bool_and(coalesce(list_contains($answered, r.outcome), false))
             )
             SELECT m.source_id FROM {MEMBERS} m
             JOIN {MEMBERS} p ON p.view = m.view AND p.run_id = $from
@@ -77,7 +74,6 @@ class CarryStore(UnchangedStore):
             """,
             {
                 "from": from_run,
-                "prefix": custom_id_prefix,
                 "answered": list(ANSWERED),
                 "view": view,
                 "run": run_id,
