@@ -55,16 +55,22 @@ def source_view_sql(view: str) -> str:
     )
 
 
-def table_columns(con: duckdb.DuckDBPyConnection, table: str) -> list[str]:
-    """The columns of a table or view of the state file, in order (empty when it is absent)."""
-    return [
-        r[0]
-        for r in con.execute(
-            "SELECT column_name FROM duckdb_columns() WHERE database_name = current_database() "
-            "AND schema_name = 'main' AND table_name = ? ORDER BY column_index",
+def column_types(con: duckdb.DuckDBPyConnection, table: str) -> dict[str, str]:
+    """The columns of a table or view of the state file and their types, in order (empty when
+    it is absent)."""
+    return dict(
+        con.execute(
+            "SELECT column_name, data_type FROM duckdb_columns() "
+            "WHERE database_name = current_database() AND schema_name = 'main' "
+            "AND table_name = ? ORDER BY column_index",
             [table],
         ).fetchall()
-    ]
+    )
+
+
+def table_columns(con: duckdb.DuckDBPyConnection, table: str) -> list[str]:
+    """The columns of a table or view of the state file, in order (empty when it is absent)."""
+    return list(column_types(con, table))
 
 
 def split_copied_sources(con: duckdb.DuckDBPyConnection) -> None:
@@ -128,14 +134,7 @@ class SourcesStore(Database):
                 "SELECT 0::UBIGINT AS lowtide_row_key, * FROM incoming LIMIT 0"
             )
             # an input that gained columns since earlier runs: widen the table (old rows: NULL)
-            stored = dict(
-                con.execute(
-                    "SELECT column_name, data_type FROM duckdb_columns() "
-                    "WHERE database_name = current_database() AND schema_name = 'main' "
-                    "AND table_name = ?",
-                    [content_table(view)],
-                ).fetchall()
-            )
+            stored = column_types(con, content_table(view))
             types = dict(
                 con.execute("SELECT column_name, column_type FROM (DESCRIBE incoming)").fetchall()
             )
