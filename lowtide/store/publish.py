@@ -43,6 +43,18 @@ PIPELINE_TABLES = (
     MEMBERS,
 )
 
+APPEND_ONLY_KEYS: dict[str, tuple[str, ...]] = {
+    "requests": ("custom_id",),  # derived from the request's content
+    "batch_requests": ("batch_id", "custom_id"),
+    MEMBERS: ("view", "run_id", "source_id", "lowtide_row_key"),
+    # a run prepared again (resumed) replaces its units under the same keys: every column
+    "units": (),
+}
+"""The pipeline tables whose rows are only ever inserted or deleted, never changed in place,
+by the columns that tell their rows apart (none named: all of them): a publish compares them by
+these instead of hashing whole rows (`publish_delta`). A job's stored input rows (`content_table`) are too, by
+(source_id, lowtide_row_key): the key is a hash of the row's content."""
+
 log = logging.getLogger(__name__)
 
 _ANSWERED = literal_list(ANSWERED)
@@ -373,7 +385,13 @@ class PublishingStore(RunsStore):
                     if r[0] in PIPELINE_TABLES or r[0].startswith("src_")
                 )
                 if patch:
-                    refresh_tables(con, tables)
+                    keys = dict(APPEND_ONLY_KEYS)
+                    keys.update(
+                        (t, ("source_id", "lowtide_row_key"))
+                        for t in tables
+                        if t.startswith("src_") and t.endswith("-rows")
+                    )
+                    refresh_tables(con, tables, keys)
                 else:
                     for table in tables:
                         con.execute(

@@ -8,6 +8,11 @@ holds repeated rows (a hash then cannot say which copy went), or that changed in
 quarter of its rows is rewritten whole instead, which also compacts it; a patched file that ends
 up more than a fifth free space is written afresh (`publish`). Views are dropped and made again
 by `publish`, as for a fresh file.
+
+A table whose rows are only ever added or removed, never changed in place (`keys`: a run's
+units, the requests, the input rows), is compared by its key columns instead of by hashing
+whole rows, texts and all: that hashing was most of a publish, and grew with the job's history.
+Only while both files are at the same schema version: a migration may rewrite rows in place.
 """
 
 from __future__ import annotations
@@ -75,10 +80,56 @@ def _patch(con: duckdb.DuckDBPyConnection, table: str) -> bool:
     return True
 
 
-def refresh_tables(con: duckdb.DuckDBPyConnection, tables: list[str]) -> None:
+def _patch_by_key(con: duckdb.DuckDBPyConnection, table: str, key: tuple[str, ...]) -> bool:
+    """Delete the rows whose key (no columns named: the whole row) the state file no longer has
+    and insert those it gained; False when the table must be rewritten (a key repeated on either
+    side, or more than a quarter of the rows gone: deleting them would leave the file mostly
+    holes). Rows added, however many, are appended: they leave no holes."""
+    t = ident(table)
+    key = key or tuple(name for name, _ in _signature(con, "pub", table))
+    columns = ", ".join(ident(c) for c in key)
+    for side in (t, f"pub.{t}"):
+        if con.execute(
+            f"SELECT count(*) > 0 FROM (SELECT {columns} FROM {side} GROUP BY ALL "
+            "HAVING count(*) > 1)"
+        ).fetchall()[0][0]:
+            return False
+    con.execute(
+        f"CREATE OR REPLACE TEMP TABLE gone AS SELECT {columns} FROM pub.{t} "
+        f"EXCEPT SELECT {columns} FROM {t}"
+    )
+    gone, had = con.execute(
+        f"SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM pub.{t})"
+    ).fetchall()[0]
+    if gone > _REWRITE_ABOVE * max(had, 1):
+        return False
+    matched = " AND ".join(f"x.{ident(c)} IS NOT DISTINCT FROM g.{ident(c)}" for c in key)
+    if gone:
+        con.execute(f"DELETE FROM pub.{t} x USING gone g WHERE {matched}")
+    con.execute(f"INSERT INTO pub.{t} SELECT x.* FROM {t} x ANTI JOIN pub.{t} g ON {matched}")
+    return True
+
+
+def _version(con: duckdb.DuckDBPyConnection, database: str) -> object:
+    """The schema version a state file (or the published copy of one) was migrated to."""
+    try:
+        return con.execute(f"SELECT max(version) FROM {database}.schema_version").fetchall()[0][0]
+    except duckdb.Error:  # no such table: not a state file's copy
+        return None
+
+
+def refresh_tables(
+    con: duckdb.DuckDBPyConnection,
+    tables: list[str],
+    keys: dict[str, tuple[str, ...]] | None = None,
+) -> None:
     """Make the attached `pub` hold exactly `tables` of the state file, as they are now, and
-    no view (the caller makes them again)."""
+    no view (the caller makes them again). `keys`: the tables only ever added to or removed
+    from, by their key columns."""
     state = con.execute("SELECT current_database()").fetchall()[0][0]
+    version = _version(con, ident(state))
+    if version is None or version != _version(con, "pub"):
+        keys = None
     for (view,) in con.execute(
         "SELECT view_name FROM duckdb_views() WHERE database_name = 'pub' AND NOT internal"
     ).fetchall():
@@ -91,7 +142,12 @@ def refresh_tables(con: duckdb.DuckDBPyConnection, tables: list[str]) -> None:
     try:
         for table in tables:
             same = _signature(con, state, table) == _signature(con, "pub", table)
-            if not (same and _patch(con, table)):
+            key = (keys or {}).get(table)
+            if key is not None:
+                patched = same and _patch_by_key(con, table, key)
+            else:
+                patched = same and _patch(con, table)
+            if not patched:
                 _rewrite(con, table)
     finally:
         for temp in ("state_rows", "pub_rows", "gone", "added"):

@@ -157,3 +157,52 @@ def test_a_log_left_beside_the_previous_file_is_not_left_beside_the_new_one(
     assert not wal.exists()
     con = duckdb.connect(str(db), read_only=True)
     assert con.execute("SELECT label FROM my_job").fetchall() == [("second",)]
+
+
+def _keyed_pair(tmp_path: Path, state_version: int, pub_version: int) -> duckdb.DuckDBPyConnection:
+    """A state file with a units-like table (rows only added or removed) published once."""
+    con = duckdb.connect(str(tmp_path / "state.duckdb"))
+    con.execute(
+        "CREATE TABLE units AS SELECT 'r1' AS run_id, 'u' || i AS unit_id, 'text ' || i AS t "
+        "FROM range(100) t(i)"
+    )
+    con.execute(f"CREATE TABLE schema_version AS SELECT {pub_version} AS version")
+    con.execute(f"ATTACH '{tmp_path / 'pub.duckdb'}' AS pub")
+    refresh_tables(con, ["schema_version", "units"])
+    con.execute(f"UPDATE schema_version SET version = {state_version}")
+    return con
+
+
+def test_a_table_only_added_to_is_patched_by_its_key(tmp_path: Path) -> None:
+    con = _keyed_pair(tmp_path, state_version=15, pub_version=15)
+    kept = con.execute(
+        "SELECT rowid FROM pub.units WHERE run_id = 'r1' AND unit_id = 'u50'"
+    ).fetchall()
+    con.execute("INSERT INTO units SELECT 'r2', 'u' || i, 'text ' || i FROM range(100) t(i)")
+    con.execute("DELETE FROM units WHERE run_id = 'r1' AND unit_id IN ('u3', 'u7')")
+    refresh_tables(con, ["schema_version", "units"], {"units": ("run_id", "unit_id")})
+    assert _same(con, "units")
+    assert con.execute("SELECT count(*) FROM pub.units").fetchall()[0][0] == 198
+    # patched in place, not rewritten: an untouched row keeps its place
+    assert (
+        con.execute(
+            "SELECT rowid FROM pub.units WHERE run_id = 'r1' AND unit_id = 'u50'"
+        ).fetchall()
+        == kept
+    )
+
+
+def test_after_a_migration_keyed_tables_are_compared_by_whole_rows(tmp_path: Path) -> None:
+    """A migration may rewrite rows in place, which comparing keys cannot see."""
+    con = _keyed_pair(tmp_path, state_version=16, pub_version=15)
+    con.execute("UPDATE units SET t = 'migrated' WHERE unit_id = 'u3'")
+    refresh_tables(con, ["schema_version", "units"], {"units": ("run_id", "unit_id")})
+    assert _same(con, "units") and _same(con, "schema_version")
+    assert con.execute("SELECT t FROM pub.units WHERE unit_id = 'u3'").fetchall() == [("migrated",)]
+
+
+def test_a_key_repeated_in_a_keyed_table_rewrites_it(tmp_path: Path) -> None:
+    con = _keyed_pair(tmp_path, state_version=15, pub_version=15)
+    con.execute("INSERT INTO units VALUES ('r1', 'u3', 'a second text')")
+    refresh_tables(con, ["schema_version", "units"], {"units": ("run_id", "unit_id")})
+    assert _same(con, "units")
