@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -13,6 +11,7 @@ from typer.core import TyperGroup
 
 from lowtide import render
 from lowtide.backends import KNOWN, backend_entry
+from lowtide.cli_flows import prefect_env, run_job, with_progress
 from lowtide.cli_shards import shards_app
 from lowtide.errors import LowtideError
 
@@ -55,100 +54,11 @@ BackendOpt = Annotated[
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_JOB = REPO_ROOT / "data" / "jobs" / "support-intents.toml"
-PREFECT_HOME = Path(".lowtide/prefect")  # where Prefect keeps its files unless PREFECT_HOME says
-
-
-def _prefect_env() -> None:
-    from lowtide.settings import prefect_defaults
-
-    prefect_defaults(PREFECT_HOME)
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
     render.error_line(message)
     return typer.Exit(code)
-
-
-def _with_progress(call, flow_module: str, warm_ups=()):  # noqa: ANN001, ANN202 - any flow call
-    """Run a flow call with a live progress display (errors are reported by `main`); the
-    call's `flow_module` is imported while Prefect's temporary server starts, then `warm_ups`
-    for as long as it is still starting."""
-    _prefect_env()
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    from lowtide import progress as progress_channel
-
-    with Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-        console=err_console,
-        transient=True,
-        disable=not err_console.is_terminal,  # in a pipe it would only add an empty line
-    ) as bar:
-        handle = bar.add_task("starting Prefect", total=None)
-
-        def show(stage: str, done: int, total: int, note: str) -> None:
-            bar.update(
-                handle, description=f"{stage} {note}".strip(), completed=done, total=total or None
-            )
-
-        progress_channel.set_reporter(show)
-        try:
-            from lowtide.prefect_server import start_tied_server
-
-            # a SIGKILLed run must not leave Prefect's server behind
-            start_tied_server(lambda: importlib.import_module(flow_module), warm_ups)
-            return call()
-        finally:
-            progress_channel.set_reporter(None)
-
-
-def _run_job(
-    job_file: Path,
-    backend: str | None,
-    db: Path | None,
-    wait: bool,
-    emulator_url: str | None = None,
-) -> dict[str, Any]:
-    from lowtide.jobspec import load_job
-
-    job = load_job(job_file, backend)  # a bad job file is reported at once, before Prefect
-
-    from lowtide.settings import Settings, prefect_server_configured
-
-    if not prefect_server_configured(PREFECT_HOME):
-        # no UI would show the run, so an unchanged night is answered from the state file
-        # without starting Prefect's temporary server (~10 s); with a server, the flow checks
-        from lowtide.nightly import unchanged_summary
-
-        summary = unchanged_summary(Settings().with_overrides(db=db), job)
-        if summary is not None:
-            return summary
-
-    def call() -> dict[str, Any]:
-        from flows.enrich import enrich
-
-        return enrich(
-            job_file=str(job_file),
-            backend=backend,
-            db=str(db) if db else None,
-            wait=wait,
-            emulator_url=emulator_url,
-        )
-
-    return _with_progress(call, "flows.enrich", _run_warm_ups(job, wait))
-
-
-def _run_warm_ups(job: Any, wait: bool) -> list[Callable[[], object]]:
-    """What a run imports later, done while Prefect's server boots: its backend's SDK, the
-    tokenizer (long texts are counted), and the report's charts (drawn when a run finishes)."""
-    from lowtide.tokens import get_encoding
-
-    ups = [backend_entry(job.model.backend).capabilities, lambda: get_encoding(job.chunk.encoding)]
-    return [*ups, lambda: importlib.import_module("lowtide.charts")] if wait else ups
 
 
 def _exit_for(summary: dict[str, Any], wait: bool = True) -> None:
@@ -190,7 +100,7 @@ def run(
 ) -> None:
     """Run one job end to end; exits 0 when every row ended succeeded or failed with a reason
     (with --no-wait: when the batches were submitted)."""
-    summary = _run_job(job_file, backend, db, wait)
+    summary = run_job(job_file, backend, db, wait)
     shard_files = backend_entry(summary["backend"]).shard_files
     if summary.get("status") == "submitted" and shard_files:
         console.print(
@@ -228,7 +138,7 @@ def collect(
 
         return collect_flow(db=str(db) if db else None)
 
-    touched = _with_progress(call, "flows.collect")
+    touched = with_progress(call, "flows.collect")
     if not touched:
         console.print("nothing in flight")
     for s in touched:
@@ -306,7 +216,7 @@ def demo(
     db: Annotated[Path | None, typer.Option(help="Published DuckDB file.")] = None,
 ) -> None:
     """Run the sample job on the built-in emulator (no keys, no GPU) and show a first query."""
-    summary = _run_job(SAMPLE_JOB, "emulator", db, True)
+    summary = run_job(SAMPLE_JOB, "emulator", db, True)
     render.run_summary(summary)
     view = summary["job"].replace("-", "_")
     console.print(f"\nResults are in {escape(summary['db'])}. A first query:", soft_wrap=True)
@@ -408,7 +318,7 @@ def estimate(
     from lowtide.settings import Settings
 
     job = load_job(job_file, backend)
-    _prefect_env()  # the stage modules import Prefect (for their @task); keep it offline
+    prefect_env()  # the stage modules import Prefect (for their @task); keep it offline
     from tasks.estimate import estimate_job
 
     quote = estimate_job(job, Settings(), backend)

@@ -10,6 +10,7 @@ import typer
 from rich.markup import escape
 
 from lowtide import render
+from lowtide.cli_flows import prefect_env, with_progress
 
 console = render.console
 
@@ -23,10 +24,9 @@ RunArg = Annotated[str, typer.Argument(help="The run (backend vllm-run-batch).")
 
 
 def _settings() -> Any:
-    from lowtide.cli import _prefect_env
     from lowtide.settings import Settings
 
-    _prefect_env()  # flows/shards.py imports the stage modules, which import Prefect
+    prefect_env()  # flows/shards.py imports the stage modules, which import Prefect
     return Settings()
 
 
@@ -118,9 +118,7 @@ def import_(
 
         return collect_flow(db=str(db) if db else None, run_id=run_id)
 
-    from lowtide.cli import _with_progress
-
-    touched = _with_progress(call, "flows.collect")
+    touched = with_progress(call, "flows.collect")
     if not touched:
         console.print(f"run {run_id} is no longer in flight: nothing to import", soft_wrap=True)
         return

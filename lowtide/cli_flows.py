@@ -1,0 +1,103 @@
+"""Running a flow from the CLI: Prefect's environment, its temporary server (started tied to
+this process, with the flow's imports and other warm-ups done while it boots) and a live
+progress display; and the run command's way around all of it on an unchanged night."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lowtide import render
+from lowtide.backends import backend_entry
+
+PREFECT_HOME = Path(".lowtide/prefect")  # where Prefect keeps its files unless PREFECT_HOME says
+
+
+def prefect_env() -> None:
+    from lowtide.settings import prefect_defaults
+
+    prefect_defaults(PREFECT_HOME)
+
+
+def with_progress(call, flow_module: str, warm_ups=()):  # noqa: ANN001, ANN202 - any flow call
+    """Run a flow call with a live progress display (errors are reported by `main`); the
+    call's `flow_module` is imported while Prefect's temporary server starts, then `warm_ups`
+    for as long as it is still starting."""
+    prefect_env()
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from lowtide import progress as progress_channel
+
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=render.err_console,
+        transient=True,
+        disable=not render.err_console.is_terminal,  # in a pipe it would only add an empty line
+    ) as bar:
+        handle = bar.add_task("starting Prefect", total=None)
+
+        def show(stage: str, done: int, total: int, note: str) -> None:
+            bar.update(
+                handle, description=f"{stage} {note}".strip(), completed=done, total=total or None
+            )
+
+        progress_channel.set_reporter(show)
+        try:
+            from lowtide.prefect_server import start_tied_server
+
+            # a SIGKILLed run must not leave Prefect's server behind
+            start_tied_server(lambda: importlib.import_module(flow_module), warm_ups)
+            return call()
+        finally:
+            progress_channel.set_reporter(None)
+
+
+def run_job(
+    job_file: Path,
+    backend: str | None,
+    db: Path | None,
+    wait: bool,
+    emulator_url: str | None = None,
+) -> dict[str, Any]:
+    from lowtide.jobspec import load_job
+
+    job = load_job(job_file, backend)  # a bad job file is reported at once, before Prefect
+
+    from lowtide.settings import Settings, prefect_server_configured
+
+    if not prefect_server_configured(PREFECT_HOME):
+        # no UI would show the run, so an unchanged night is answered from the state file
+        # without starting Prefect's temporary server (~10 s); with a server, the flow checks
+        from lowtide.nightly import unchanged_summary
+
+        summary = unchanged_summary(Settings().with_overrides(db=db), job)
+        if summary is not None:
+            return summary
+
+    def call() -> dict[str, Any]:
+        from flows.enrich import enrich
+
+        return enrich(
+            job_file=str(job_file),
+            backend=backend,
+            db=str(db) if db else None,
+            wait=wait,
+            emulator_url=emulator_url,
+        )
+
+    return with_progress(call, "flows.enrich", _run_warm_ups(job, wait))
+
+
+def _run_warm_ups(job: Any, wait: bool) -> list[Callable[[], object]]:
+    """What a run imports later, done while Prefect's server boots: its backend's SDK, the
+    tokenizer (long texts are counted), and the report's charts (drawn when a run finishes)."""
+    from lowtide.tokens import get_encoding
+
+    ups = [backend_entry(job.model.backend).capabilities, lambda: get_encoding(job.chunk.encoding)]
+    return [*ups, lambda: importlib.import_module("lowtide.charts")] if wait else ups
