@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from lowtide.errors import PrefectServerError
+from lowtide.prefect_template import keep_template, seed_database
 from lowtide.settings import (
     point_prefect_at,
     prefect_database_path,
@@ -69,13 +70,14 @@ def start_tied_server(
         _call(while_starting)
         return
     database = prefect_database_path()
-    if database is not None:
-        _check_database(database)
+    new = _prepare_database(database)
     server = _spawn()
     point_prefect_at(server.api_url)
     atexit.register(server.stop)  # before Prefect's own exit handlers, so it runs after them
     _call(while_starting)
     server.wait_until_healthy(database, list(warm_ups))
+    if new and database is not None:
+        keep_template(database)
 
 
 def _call(while_starting: Callable[[], object] | None) -> None:
@@ -237,12 +239,24 @@ def _start_through_prefect() -> None:
                 subprocess.Popen = popen  # type: ignore[misc]
 
     database = prefect_database_path()
-    if database is not None:
-        _check_database(database)
+    new = _prepare_database(database)
     try:
         TiedServer().start()
     except RuntimeError as e:  # Prefect's own: "Timed out while attempting to connect ..."
         raise _did_not_start(" ".join(str(e).split()).rstrip("."), database) from e
+    if new and database is not None:
+        keep_template(database)
+
+
+def _prepare_database(database: Path | None) -> bool:
+    """Check the SQLite file the server will use, or start a new one as a migrated copy
+    (`prefect_template`); whether the server will create and migrate one from nothing."""
+    if database is None:
+        return False
+    if database.exists():
+        _check_database(database)
+        return False
+    return not seed_database(database)
 
 
 def _check_database(path: Path) -> None:

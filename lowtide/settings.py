@@ -124,6 +124,15 @@ def prefect_defaults(home: Path) -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 
 
+def cache_dir() -> Path:
+    """Where lowtide keeps what any run on this machine may reuse (a migrated Prefect database):
+    LOWTIDE_CACHE_DIR, else lowtide/ in the user's cache folder (XDG_CACHE_HOME, ~/.cache)."""
+    chosen = os.environ.get("LOWTIDE_CACHE_DIR")
+    if chosen:
+        return Path(chosen).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "lowtide"
+
+
 def point_prefect_at(api_url: str) -> None:
     """Make Prefect, once imported, talk to this API (lowtide's own temporary server)."""
     os.environ["PREFECT_API_URL"] = api_url
