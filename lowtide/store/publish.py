@@ -43,17 +43,19 @@ PIPELINE_TABLES = (
     MEMBERS,
 )
 
-APPEND_ONLY_KEYS: dict[str, tuple[str, ...]] = {
-    "requests": ("custom_id",),  # derived from the request's content
-    "batch_requests": ("batch_id", "custom_id"),
-    MEMBERS: ("view", "run_id", "source_id", "lowtide_row_key"),
-    # a run prepared again (resumed) replaces its units under the same keys: every column
-    "units": (),
+ADDED_TO_ONLY: dict[str, tuple[str, ...]] = {
+    # custom_id is derived from the request's content; the run that first asked it tells a
+    # state file made anew (asking the same requests in other runs) from the one published
+    "requests": ("custom_id", "first_run_id"),
+    "batch_requests": (),
+    MEMBERS: (),
+    "units": (),  # a run prepared again (resumed) replaces its units under the same keys
 }
 """The pipeline tables whose rows are only ever inserted or deleted, never changed in place,
-by the columns that tell their rows apart (none named: all of them): a publish compares them by
-these instead of hashing whole rows (`publish_delta`). A job's stored input rows (`content_table`) are too, by
-(source_id, lowtide_row_key): the key is a hash of the row's content."""
+each with the columns that tell its rows apart (none named: all of them): a publish compares
+these tables by those columns instead of hashing whole rows (`publish_delta`). A job's stored
+input rows (`content_table`) are compared by (source_id, lowtide_row_key): the row key is a
+hash of the other columns."""
 
 log = logging.getLogger(__name__)
 
@@ -385,13 +387,13 @@ class PublishingStore(RunsStore):
                     if r[0] in PIPELINE_TABLES or r[0].startswith("src_")
                 )
                 if patch:
-                    keys = dict(APPEND_ONLY_KEYS)
-                    keys.update(
+                    added_to_only = dict(ADDED_TO_ONLY)
+                    added_to_only.update(
                         (t, ("source_id", "lowtide_row_key"))
                         for t in tables
                         if t.startswith("src_") and t.endswith("-rows")
                     )
-                    refresh_tables(con, tables, keys)
+                    refresh_tables(con, tables, added_to_only)
                 else:
                     for table in tables:
                         con.execute(

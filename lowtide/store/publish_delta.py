@@ -9,10 +9,12 @@ quarter of its rows is rewritten whole instead, which also compacts it; a patche
 up more than a fifth free space is written afresh (`publish`). Views are dropped and made again
 by `publish`, as for a fresh file.
 
-A table whose rows are only ever added or removed, never changed in place (`keys`: a run's
-units, the requests, the input rows), is compared by its key columns instead of by hashing
-whole rows, texts and all: that hashing was most of a publish, and grew with the job's history.
-Only while both files are at the same schema version: a migration may rewrite rows in place.
+A table whose rows are only ever added or removed, never changed in place (`added_to_only`: a
+run's units, the requests, the input rows), has its rows compared by the columns that tell them
+apart (a request's custom_id, derived from its content; an input row's key, a hash of its
+values) instead of by hashing whole rows, texts and all: that hashing was most of a publish,
+and grew with the job's history. Only while both files are at the same schema version: a
+migration may rewrite rows in place.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ def _patch_by_key(con: duckdb.DuckDBPyConnection, table: str, key: tuple[str, ..
     side, or more than a quarter of the rows gone: deleting them would leave the file mostly
     holes). Rows added, however many, are appended: they leave no holes."""
     t = ident(table)
+    whole_row = not key
     key = key or tuple(name for name, _ in _signature(con, "pub", table))
     columns = ", ".join(ident(c) for c in key)
     for side in (t, f"pub.{t}"):
@@ -106,7 +109,15 @@ def _patch_by_key(con: duckdb.DuckDBPyConnection, table: str, key: tuple[str, ..
     matched = " AND ".join(f"x.{ident(c)} IS NOT DISTINCT FROM g.{ident(c)}" for c in key)
     if gone:
         con.execute(f"DELETE FROM pub.{t} x USING gone g WHERE {matched}")
-    con.execute(f"INSERT INTO pub.{t} SELECT x.* FROM {t} x ANTI JOIN pub.{t} g ON {matched}")
+    if whole_row:
+        con.execute(f"INSERT INTO pub.{t} SELECT * FROM {t} EXCEPT SELECT * FROM pub.{t}")
+        return True
+    # the new keys first, then their rows: an anti join would read every row's texts
+    con.execute(
+        f"CREATE OR REPLACE TEMP TABLE added AS SELECT {columns} FROM {t} "
+        f"EXCEPT SELECT {columns} FROM pub.{t}"
+    )
+    con.execute(f"INSERT INTO pub.{t} SELECT x.* FROM {t} x SEMI JOIN added g ON {matched}")
     return True
 
 
@@ -121,15 +132,15 @@ def _version(con: duckdb.DuckDBPyConnection, database: str) -> object:
 def refresh_tables(
     con: duckdb.DuckDBPyConnection,
     tables: list[str],
-    keys: dict[str, tuple[str, ...]] | None = None,
+    added_to_only: dict[str, tuple[str, ...]] | None = None,
 ) -> None:
     """Make the attached `pub` hold exactly `tables` of the state file, as they are now, and
-    no view (the caller makes them again). `keys`: the tables only ever added to or removed
-    from, by their key columns."""
+    no view (the caller makes them again). `added_to_only`: the tables whose rows are only ever
+    added or removed, each with the columns that tell its rows apart (none: all of them)."""
     state = con.execute("SELECT current_database()").fetchall()[0][0]
     version = _version(con, ident(state))
     if version is None or version != _version(con, "pub"):
-        keys = None
+        added_to_only = None
     for (view,) in con.execute(
         "SELECT view_name FROM duckdb_views() WHERE database_name = 'pub' AND NOT internal"
     ).fetchall():
@@ -142,7 +153,7 @@ def refresh_tables(
     try:
         for table in tables:
             same = _signature(con, state, table) == _signature(con, "pub", table)
-            key = (keys or {}).get(table)
+            key = (added_to_only or {}).get(table)
             if key is not None:
                 patched = same and _patch_by_key(con, table, key)
             else:

@@ -206,3 +206,16 @@ def test_a_key_repeated_in_a_keyed_table_rewrites_it(tmp_path: Path) -> None:
     con.execute("INSERT INTO units VALUES ('r1', 'u3', 'a second text')")
     refresh_tables(con, ["schema_version", "units"], {"units": ("run_id", "unit_id")})
     assert _same(con, "units")
+
+
+def test_a_row_put_back_under_its_key_with_other_values_is_replaced(tmp_path: Path) -> None:
+    """A resumed run re-inserts its units under the same keys; a state file made anew holds the
+    same requests from other runs: every compared column counts, not the key alone."""
+    con = _keyed_pair(tmp_path, state_version=15, pub_version=15)
+    con.execute("DELETE FROM units WHERE unit_id = 'u3'")
+    con.execute("INSERT INTO units VALUES ('r1', 'u3', 'prepared again')")
+    refresh_tables(con, ["schema_version", "units"], {"units": ()})
+    assert _same(con, "units")
+    assert con.execute("SELECT t FROM pub.units WHERE unit_id = 'u3'").fetchall() == [
+        ("prepared again",)
+    ]
