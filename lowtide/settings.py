@@ -166,7 +166,7 @@ def prefect_database_path() -> Path | None:
         return Path(os.environ.get("PREFECT_HOME") or "~/.prefect").expanduser() / "prefect.db"
     if not url.startswith("sqlite") or ":///" not in url:
         return None
-    return Path(url.split(":///", 1)[1])
+    return Path(url.split(":///", 1)[1].split("?", 1)[0])  # without `?timeout=30` and such
 
 
 def prefect_server_configured(home: Path) -> bool:

@@ -72,16 +72,39 @@ def _database(path: Path, flow_runs: int) -> Path:
     return path
 
 
-def test_a_database_a_flow_ran_in_is_not_kept(
+def test_a_database_holding_anything_of_a_run_or_a_secret_is_not_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Another process sharing the Prefect home may have run a flow before the copy."""
+    """Another process sharing the Prefect home may have used it before the copy."""
     monkeypatch.setenv("LOWTIDE_CACHE_DIR", str(tmp_path / "cache"))
     keep_template(_database(tmp_path / "used.db", flow_runs=1))
+    assert not template_path().exists()
+    with_a_secret = _database(tmp_path / "secret.db", flow_runs=0)
+    with contextlib.closing(sqlite3.connect(with_a_secret)) as con:
+        con.execute("CREATE TABLE block_document (name VARCHAR, value VARCHAR)")
+        con.execute("INSERT INTO block_document VALUES ('openai-key', 'sk-not-for-the-cache')")
+        con.commit()
+    keep_template(with_a_secret)
     assert not template_path().exists()
     keep_template(_database(tmp_path / "new.db", flow_runs=0))
     assert template_path().is_file()
     assert not [p for p in template_path().parent.iterdir() if p != template_path()]
+
+
+def test_a_cache_that_cannot_be_used_leaves_prefect_to_make_its_database(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("LOWTIDE_CACHE_DIR", str(blocked / "cache"))
+    keep_template(_database(tmp_path / "new.db", flow_runs=0))  # nothing raised
+    assert not seed_database(tmp_path / "home" / "prefect.db")
+    monkeypatch.setenv("LOWTIDE_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    template_path().write_bytes(b"cut off")  # a damaged copy is dropped, not used
+    assert not seed_database(tmp_path / "home" / "prefect.db")
+    assert not template_path().exists()
+    assert not (tmp_path / "home" / "prefect.db").exists()
 
 
 def test_an_existing_database_is_never_replaced(
