@@ -14,6 +14,9 @@
 - `route`: a `[route]`'s steps, the switch between engines and what it cost (`paid_twice`);
 - `chunk_cuts`: where long texts were cut, so a night tokenizes only texts it has not seen.
 
+`prefect_db` reads Prefect's own SQLite database, for the migrated copy a new Prefect home
+starts from (`lowtide.prefect_template`).
+
 `Store` itself lives in `facade` and is loaded on first use; `in_flight` answers "is anything in
 flight?" without polars (the scheduled `collect` that finds nothing). Connections and quoting are
 private (`_db`, `_sql`); `compute` is SQL used as a calculator
