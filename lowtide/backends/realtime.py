@@ -32,6 +32,7 @@ from tenacity import (
 )
 
 from lowtide.backends import anthropic_batch, openai_batch
+from lowtide.backends.anthropic_params import to_anthropic_params
 from lowtide.backends.base import (
     RESULT_SCHEMA,
     BackendError,
@@ -118,7 +119,7 @@ def _openai_caller(client: openai.OpenAI) -> Caller:
 
 def _anthropic_caller(client: anthropic.Anthropic, structured_output: str) -> Caller:
     def call(custom_id: str | None, body: dict[str, Any]) -> dict[str, Any]:
-        params = anthropic_batch.to_anthropic_params(body, structured_output)
+        params = to_anthropic_params(body, structured_output)
         create = client.messages.create
         message = create(**_split_kwargs(create, params))
         return anthropic_batch.message_row(custom_id, message, structured_output)

@@ -34,7 +34,8 @@ The model, in simulated seconds:
 
 This module is the scheduler. The numbers and the ceiling maths (`EngineConfig`, `capacity`,
 `prefix_block_hashes`) live in `engine_capacity` and the records it hands back (results, stats,
-errors) in `engine_reports`; both are re-exported here, the engine's public import path.
+errors) in `engine_reports`; both are re-exported here, the engine's public import path. A
+request's own state while it is inside the engine is `engine_sequence.Seq`.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from lowtide.emulator.engine_reports import (
     QueueFullError,
     RequestTooLongError,
 )
+from lowtide.emulator.engine_sequence import DONE, RUNNING, WAITING, Seq
 
 # The engine's public face: its config, ceiling and report types are imported from here too.
 __all__ = [
@@ -81,50 +83,6 @@ __all__ = [
     "capacity_tokens_per_s",
     "prefix_block_hashes",
 ]
-
-
-_WAITING, _RUNNING, _DONE = 0, 1, 2
-
-
-class _Seq:
-    __slots__ = (
-        "prompt_tokens",
-        "hashes",
-        "target",
-        "finish_reason",
-        "future",
-        "state",
-        "generated",
-        "prefill_target",
-        "prefilled",
-        "shared",
-        "private_blocks",
-        "cached_tokens",
-        "arrival",
-        "scheduled",
-        "first_token",
-        "preemptions",
-        "prompt_counted",
-    )
-
-    def __init__(self, prompt_tokens, hashes, target, finish_reason, future, arrival):
-        self.prompt_tokens: int = prompt_tokens
-        self.hashes: tuple[int, ...] = hashes
-        self.target: int = target
-        self.finish_reason: str = finish_reason
-        self.future: asyncio.Future[GenerationResult] = future
-        self.state = _WAITING
-        self.generated = 0
-        self.prefill_target = prompt_tokens
-        self.prefilled = 0
-        self.shared: tuple[int, ...] = ()
-        self.private_blocks = 0
-        self.cached_tokens: int | None = None
-        self.arrival: float = arrival
-        self.scheduled: float | None = None
-        self.first_token: float | None = None
-        self.preemptions = 0
-        self.prompt_counted = False
 
 
 class Engine:
@@ -157,8 +115,8 @@ class Engine:
         self._anchor_wall = 0.0
 
     def _reset_state(self) -> None:
-        self._waiting: deque[_Seq] = deque()
-        self._running: list[_Seq] = []
+        self._waiting: deque[Seq] = deque()
+        self._running: list[Seq] = []
         self._in_use: dict[int, int] = {}  # shared block hash -> holders
         self._private_total = 0
         self._cached: OrderedDict[int, None] = OrderedDict()
@@ -207,7 +165,7 @@ class Engine:
         self._ensure_loop()
         loop = asyncio.get_running_loop()
         hashes = tuple(block_hashes)[: prompt_tokens // self.config.block_size]
-        seq = _Seq(prompt_tokens, hashes, output_tokens, finish_reason, loop.create_future(),
+        seq = Seq(prompt_tokens, hashes, output_tokens, finish_reason, loop.create_future(),
                    self._sim_now())  # fmt: skip
         self._waiting.append(seq)
         assert self._wake is not None
@@ -253,7 +211,7 @@ class Engine:
             self._task = None
         error = EngineDeadError("engine died while the request was in flight")
         for seq in (*self._running, *self._waiting):
-            seq.state = _DONE
+            seq.state = DONE
             if not seq.future.done():
                 seq.future.set_exception(error)
         self._reset_state()
@@ -334,16 +292,16 @@ class Engine:
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.config.block_size)
 
-    def _schedule(self) -> tuple[list[tuple[_Seq, int]], list[_Seq]] | None:
+    def _schedule(self) -> tuple[list[tuple[Seq, int]], list[Seq]] | None:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
-        prefill: list[tuple[_Seq, int]] = []
-        decode: list[_Seq] = []
+        prefill: list[tuple[Seq, int]] = []
+        decode: list[Seq] = []
         preempted = False
         for seq in list(self._running):
             if budget <= 0:
                 break
-            if seq.state != _RUNNING:  # preempted earlier in this loop
+            if seq.state != RUNNING:  # preempted earlier in this loop
                 continue
             if seq.prefilled < seq.prefill_target:
                 chunk = min(seq.prefill_target - seq.prefilled, budget)
@@ -351,10 +309,10 @@ class Engine:
                 budget -= chunk
                 continue
             if not self._grow(seq):
-                while seq.state == _RUNNING and not self._grow(seq):
+                while seq.state == RUNNING and not self._grow(seq):
                     self._preempt(self._running[-1])
                     preempted = True
-                if seq.state != _RUNNING:
+                if seq.state != RUNNING:
                     continue
             decode.append(seq)
             budget -= 1
@@ -375,7 +333,7 @@ class Engine:
             return None
         return prefill, decode
 
-    def _grow(self, seq: _Seq) -> bool:
+    def _grow(self, seq: Seq) -> bool:
         """Make room for `seq`'s next token; False when the KV cache has no free block."""
         held = (len(seq.shared) + seq.private_blocks) * self.config.block_size
         if seq.prompt_tokens + seq.generated + 1 <= held:
@@ -386,7 +344,7 @@ class Engine:
         self._private_total += 1
         return True
 
-    def _admit(self, seq: _Seq, budget: int) -> int:
+    def _admit(self, seq: Seq, budget: int) -> int:
         """Move the head of the queue into a slot if its KV fits; return its first prefill
         chunk (0 when it does not fit)."""
         cfg = self.config
@@ -422,11 +380,11 @@ class Engine:
         if seq.scheduled is None:
             seq.scheduled = now
             self._queue.observe(max(now - seq.arrival, 0.0))
-        seq.state = _RUNNING
+        seq.state = RUNNING
         self._running.append(seq)
         return min(tokens - seq.prefilled, budget)
 
-    def _release(self, seq: _Seq) -> None:
+    def _release(self, seq: Seq) -> None:
         for h in seq.shared:
             left = self._in_use[h] - 1
             if left:
@@ -437,31 +395,31 @@ class Engine:
         seq.shared = ()
         seq.private_blocks = 0
 
-    def _preempt(self, seq: _Seq) -> None:
+    def _preempt(self, seq: Seq) -> None:
         self._running.remove(seq)
         self._release(seq)
-        seq.state = _WAITING
+        seq.state = WAITING
         seq.prefill_target = seq.prompt_tokens + seq.generated
         seq.prefilled = 0
         seq.preemptions += 1
         self._preemptions += 1
         self._waiting.appendleft(seq)
 
-    def _abort(self, seq: _Seq) -> None:
-        if seq.state == _RUNNING:
+    def _abort(self, seq: Seq) -> None:
+        if seq.state == RUNNING:
             self._running.remove(seq)
             self._release(seq)
-        elif seq.state == _WAITING:
+        elif seq.state == WAITING:
             with contextlib.suppress(ValueError):
                 self._waiting.remove(seq)
         else:
             return
-        seq.state = _DONE
+        seq.state = DONE
         self._success["abort"] += 1
         if self._wake is not None:
             self._wake.set()
 
-    def _cache_prompt(self, seq: _Seq) -> None:
+    def _cache_prompt(self, seq: Seq) -> None:
         """After prefill: the prompt's full blocks become shared cached blocks."""
         if not self.config.prefix_cache or len(seq.shared) >= len(seq.hashes):
             return
@@ -476,9 +434,9 @@ class Engine:
         while len(self._cached) > self.config.kv_blocks:
             self._cached.popitem(last=False)
 
-    def _apply(self, prefill: list[tuple[_Seq, int]], decode: list[_Seq]) -> None:
+    def _apply(self, prefill: list[tuple[Seq, int]], decode: list[Seq]) -> None:
         for seq, chunk in prefill:
-            if seq.state != _RUNNING:
+            if seq.state != RUNNING:
                 continue
             seq.prefilled += chunk
             self._prefill_computed += chunk
@@ -489,10 +447,10 @@ class Engine:
                 self._cache_prompt(seq)
                 self._emit(seq)
         for seq in decode:
-            if seq.state == _RUNNING:
+            if seq.state == RUNNING:
                 self._emit(seq)
 
-    def _emit(self, seq: _Seq) -> None:
+    def _emit(self, seq: Seq) -> None:
         seq.generated += 1
         self._generation_tokens_total += 1
         now = self._sim
@@ -503,7 +461,7 @@ class Engine:
             return
         self._running.remove(seq)
         self._release(seq)
-        seq.state = _DONE
+        seq.state = DONE
         self._success[seq.finish_reason] = self._success.get(seq.finish_reason, 0) + 1
         self._e2e.observe(now - seq.arrival)
         if not seq.future.done():

@@ -15,12 +15,8 @@ import pytest
 from anthropic.types.messages import MessageBatchIndividualResponse
 
 from lowtide.backends import anthropic_batch, make_backend
-from lowtide.backends.anthropic_batch import (
-    AnthropicBatchBackend,
-    finish_reason,
-    map_status,
-    to_anthropic_params,
-)
+from lowtide.backends.anthropic_batch import AnthropicBatchBackend, finish_reason, map_status
+from lowtide.backends.anthropic_params import batch_requests, to_anthropic_params
 from lowtide.backends.base import (
     RESULT_SCHEMA,
     BatchStatus,
@@ -303,7 +299,7 @@ def test_untranslatable_lines_are_terminal(source: dict[str, Any], mode: str, me
 
 def test_sample_job_lines_keep_a_cacheable_prefix(job: JobSpec) -> None:
     lines = sample_lines(job, 3)
-    requests = anthropic_batch.batch_requests(lines, "output_config")
+    requests = batch_requests(lines, "output_config")
     assert [r["custom_id"] for r in requests] == ids_of(lines)
     prefixes = {
         orjson.dumps([r["params"]["system"], r["params"]["messages"][:-1]]) for r in requests
