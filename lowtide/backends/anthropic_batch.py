@@ -16,7 +16,7 @@ Two Anthropic facts shape the code:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import anthropic
@@ -234,11 +234,11 @@ class AnthropicBatchBackend:
         except anthropic.AnthropicError as e:
             raise translate(e, operation, self.client.base_url) from e
 
-    def upload(self, batch_id: str, lines: list[str]) -> None:
+    def upload(self, batch_id: str, lines: Sequence[str]) -> None:
         """No upload step: Anthropic takes the requests inline with create."""
         return None
 
-    def create(self, batch_id: str, input_file_id: str | None, lines: list[str]) -> str:
+    def create(self, batch_id: str, input_file_id: str | None, lines: Sequence[str]) -> str:
         requests = batch_requests(lines, self.structured_output)
         batch = self._call(
             "create",

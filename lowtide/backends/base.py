@@ -8,6 +8,7 @@ backends' convenience.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -96,12 +97,12 @@ class Backend(Protocol):
 
     capabilities: Capabilities
 
-    def upload(self, batch_id: str, lines: list[str]) -> str | None:
+    def upload(self, batch_id: str, lines: Sequence[str]) -> str | None:
         """Send a shard's request lines as a file; returns the provider's input file id, or None
         for providers that take requests inline with the create call (no upload step)."""
         ...
 
-    def create(self, batch_id: str, input_file_id: str | None, lines: list[str]) -> str:
+    def create(self, batch_id: str, input_file_id: str | None, lines: Sequence[str]) -> str:
         """Start the batch, tagged with lowtide's batch_id where the provider allows; returns the
         provider batch id. `lines` are lowtide's stored request lines (OpenAI chat format);
         backends with another wire format translate them here."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import openai
@@ -23,6 +23,7 @@ from lowtide.backends.base import (
 from lowtide.backends.keys import require_key
 from lowtide.backends.wire import EMULATOR_FINGERPRINT, is_transient_status
 from lowtide.errors import InputFileGoneError
+from lowtide.request_lines import jsonl_payload
 
 T = TypeVar("T")
 
@@ -241,15 +242,15 @@ class OpenAIBatchBackend:
         except openai.OpenAIError as e:
             raise translate(e, operation, self.client.base_url) from e
 
-    def upload(self, batch_id: str, lines: list[str]) -> str:
-        payload = ("\n".join(lines) + "\n").encode("utf-8")
+    def upload(self, batch_id: str, lines: Sequence[str]) -> str:
+        payload = jsonl_payload(lines)
         f = self._call(
             "upload",
             lambda: self.client.files.create(file=(f"{batch_id}.jsonl", payload), purpose="batch"),
         )
         return f.id
 
-    def create(self, batch_id: str, input_file_id: str | None, lines: list[str]) -> str:
+    def create(self, batch_id: str, input_file_id: str | None, lines: Sequence[str]) -> str:
         if input_file_id is None:
             raise TerminalBackendError(
                 "OpenAI batches need an uploaded input file", backend="openai"

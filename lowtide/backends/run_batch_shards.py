@@ -19,6 +19,7 @@ and the line.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import orjson
@@ -26,6 +27,7 @@ import polars as pl
 
 from lowtide.backends.base import RESULT_SCHEMA, BatchState, BatchStatus, Capabilities
 from lowtide.errors import TerminalBackendError, UserError
+from lowtide.request_lines import jsonl_payload
 
 NAME = "vllm-run-batch"
 PROVIDER_PREFIX = "runbatch:"
@@ -91,13 +93,13 @@ def existing_shard_files(directory: str) -> list[str]:
     return sorted(str(p).rsplit("/", 1)[-1] for p in found)
 
 
-def write_shard(url: str, lines: list[str]) -> None:
+def write_shard(url: str, lines: Sequence[str]) -> None:
     """Write one input shard (the stored request lines are run-batch input as they are).
     A rewrite after a crash writes the same bytes again."""
     fs, path = _fs(url)
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     with fs.open(path, "wb") as f:
-        f.write(("\n".join(lines) + "\n").encode("utf-8"))
+        f.write(jsonl_payload(lines))
 
 
 def count_lines(url: str) -> int | None:
@@ -167,10 +169,10 @@ class RunBatchShards:
 
     capabilities = CAPABILITIES
 
-    def upload(self, batch_id: str, lines: list[str]) -> str | None:
+    def upload(self, batch_id: str, lines: Sequence[str]) -> str | None:
         return None
 
-    def create(self, batch_id: str, input_file_id: str | None, lines: list[str]) -> str:
+    def create(self, batch_id: str, input_file_id: str | None, lines: Sequence[str]) -> str:
         return AWAITING_EXPORT + batch_id
 
     def find(

@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 import polars as pl
 
+from lowtide.request_lines import RequestLines
 from lowtide.store._db import Database, frame
 from lowtide.store.runs import now as _sent_now
 from lowtide.vocabulary import (
@@ -311,8 +312,9 @@ class ManifestStore(Database):
         return len(unsent)
 
     # -- lines -----------------------------------------------------------------------------------
-    def batch_lines(self, batch_id: str) -> list[str]:
-        """The JSONL lines of a batch, exactly as they are sent, built in the database."""
+    def batch_lines(self, batch_id: str) -> RequestLines:
+        """The JSONL lines of a batch, exactly as they are sent, built in the database and kept
+        in Arrow (`RequestLines`)."""
         with self._connect() as con:
             rows = con.sql(
                 f"SELECT {LINE_SQL} AS line FROM batch_requests br JOIN requests q USING (custom_id) "
@@ -320,7 +322,7 @@ class ManifestStore(Database):
                 "WHERE br.batch_id = ? ORDER BY q.custom_id",
                 params=[batch_id],
             ).to_arrow_table()
-        return rows.column("line").to_pylist()
+        return RequestLines(rows.column("line"))
 
     def batch_members(self, batch_id: str) -> pl.DataFrame:
         return self._query("SELECT custom_id FROM batch_requests WHERE batch_id = ?", [batch_id])

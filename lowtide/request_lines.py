@@ -1,0 +1,66 @@
+"""A batch's request lines as the store builds them: an Arrow column, not Python strings.
+
+An upload needs the lines as one JSONL payload. Fetching 50,000 lines as Python strings, joining
+them into one string (four bytes a character once a line holds a non-Latin one) and encoding
+that took the submitting process from 136 MB to 774 MB for a 50 MB file (measured). Here the
+payload is made from the column's own bytes, each line with its newline appended by Arrow, and
+lines are turned into Python strings only for a backend that reads them one by one (Anthropic's
+inline requests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import overload
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+
+class RequestLines(Sequence[str]):
+    """The lines of one batch, in order, each without its newline."""
+
+    def __init__(self, column: pa.ChunkedArray | pa.Array) -> None:
+        self._column = column if isinstance(column, pa.ChunkedArray) else pa.chunked_array([column])
+
+    def __len__(self) -> int:
+        return len(self._column)
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+
+    def __getitem__(self, index: int | slice) -> str | list[str]:
+        if isinstance(index, slice):
+            return self._column[index].to_pylist()
+        return self._column[index].as_py()
+
+    def __iter__(self) -> Iterator[str]:
+        for chunk in self._column.chunks:
+            yield from chunk.to_pylist()
+
+    def jsonl(self) -> bytes:
+        """The lines as one JSONL payload, each ended by a newline."""
+        parts = []
+        for chunk in self._column.chunks:
+            ended = pc.binary_join_element_wise(
+                chunk, pa.scalar("", chunk.type), pa.scalar("\n", chunk.type)
+            )
+            if ended.null_count:
+                raise ValueError("a request line is missing (null)")
+            # the values buffer from the first line's start to the last one's end
+            width = pa.int64() if pa.types.is_large_string(ended.type) else pa.int32()
+            offsets = pa.Array.from_buffers(
+                width, len(ended) + 1, [None, ended.buffers()[1]], offset=ended.offset
+            )
+            parts.append(ended.buffers()[2][offsets[0].as_py() : offsets[-1].as_py()])
+        return b"".join(parts)
+
+
+def jsonl_payload(lines: Iterable[str]) -> bytes:
+    """`lines` as one JSONL payload: straight from Arrow for the store's `RequestLines`."""
+    if isinstance(lines, RequestLines):
+        return lines.jsonl()
+    return "".join(line + "\n" for line in lines).encode("utf-8")
