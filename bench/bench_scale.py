@@ -9,10 +9,12 @@
 3. Three nights of the real CLI, template `{text}`: the first; the second over the same input;
    a third with 1% of rows appended and 1% changed.
 
-CPU is the process tree's: lowtide, its Prefect temporary server (this process becomes a child
-subreaper, so the server is reaped here when lowtide exits) and nothing of the emulator. Stage
-seconds and task-run counts come from the run's own record in Prefect's database. The last line
-is the contract:
+No Prefect server is configured, so the CLI runs its flows in-process, as a user's does
+(lowtide/orchestration.py). CPU is the process tree's: lowtide and anything it starts (this
+process becomes a child subreaper, so a Prefect server that a Secret block would start is reaped
+and counted here) and nothing of the emulator. Stage seconds and task-run counts (task calls:
+what Prefect would record as task runs) come from the run's LOWTIDE_STAGE_TIMINGS file. The last
+line is the contract:
 
     scale: rows=N total_s=… reference_s=… tokenizer_s=… ratio=… peak_rss_mb=… …
 """
@@ -28,7 +30,6 @@ import re
 import resource
 import shutil
 import socket
-import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -181,41 +182,31 @@ price_table = "{REPO / "data" / "prices.csv"}"
     return job
 
 
-def stage_seconds(prefect_db: Path) -> tuple[dict[str, float], int]:
-    """Seconds per task name (summed) and the number of task runs of the newest flow run."""
-    if not prefect_db.is_file():
+def stage_seconds(timings: Path) -> tuple[dict[str, float], int]:
+    """Seconds per task name (summed) and the number of task calls (what Prefect would record
+    as task runs) of one in-process run, from its LOWTIDE_STAGE_TIMINGS file."""
+    if not timings.is_file():  # an unchanged night returns before any flow or task
         return {}, 0
-    with sqlite3.connect(prefect_db) as con:
-        row = con.execute("SELECT id FROM flow_run ORDER BY created DESC LIMIT 1").fetchone()
-        if row is None:
-            return {}, 0
-        tasks = con.execute(
-            "SELECT name, total_run_time FROM task_run WHERE flow_run_id = ?", [row[0]]
-        ).fetchall()
     stages: dict[str, float] = {}
-    for name, seconds in tasks:
-        stage = re.split(r"[-_]", name, maxsplit=1)[0]
-        stages[stage] = stages.get(stage, 0.0) + _seconds(seconds)
-    return stages, len(tasks)
-
-
-def _seconds(value: object) -> float:
-    if isinstance(value, int | float):
-        return float(value)
-    text = str(value or "")
-    if re.fullmatch(r"[\d.]+", text):
-        return float(text)
-    match = re.search(r"(\d+):(\d+):([\d.]+)", text)  # sqlite stores intervals as datetimes
-    if match:
-        h, m, s = match.groups()
-        return int(h) * 3600 + int(m) * 60 + float(s)
-    return 0.0
+    calls = 0
+    for line in timings.read_bytes().splitlines():
+        entry = json.loads(line)
+        if entry["kind"] != "task":
+            continue
+        calls += 1
+        stages[entry["name"]] = stages.get(entry["name"], 0.0) + float(entry["seconds"])
+    return stages, calls
 
 
 def night(name: str, job: Path, env: dict[str, str], work: Path) -> dict:
-    prefect_db = Path(env["PREFECT_HOME"]) / "prefect.db"
-    last_flow = _newest_flow(prefect_db)
-    result = timed([str(VENV_BIN / "lowtide"), "run", str(job)], env=env, cwd=work)
+    # no Prefect server is configured here, so the CLI runs the flow in-process (as a user's
+    # would) and writes each stage's seconds to this file
+    timings = work / f"stages-{re.sub(r'[^a-z]+', '-', name)}.jsonl"
+    result = timed(
+        [str(VENV_BIN / "lowtide"), "run", str(job)],
+        env={**env, "LOWTIDE_STAGE_TIMINGS": str(timings)},
+        cwd=work,
+    )
     if result["rc"] != 0:
         sys.exit(f"{name}: lowtide run exited {result['rc']}:\n{result['stderr'][-3000:]}")
     status = subprocess.run(
@@ -227,8 +218,7 @@ def night(name: str, job: Path, env: dict[str, str], work: Path) -> dict:
         check=True,
     )
     run = json.loads(status.stdout)[0]
-    fresh = _newest_flow(prefect_db) != last_flow
-    stages, task_runs = stage_seconds(prefect_db) if fresh else ({}, 0)
+    stages, task_runs = stage_seconds(timings)
     sizes = {k: Path(env[k]).stat().st_size for k in ("LOWTIDE_STATE", "LOWTIDE_DB")}
     return {
         **result,
@@ -239,14 +229,6 @@ def night(name: str, job: Path, env: dict[str, str], work: Path) -> dict:
         "state_mb": sizes["LOWTIDE_STATE"] / 2**20,
         "published_mb": sizes["LOWTIDE_DB"] / 2**20,
     }
-
-
-def _newest_flow(prefect_db: Path) -> str | None:
-    if not prefect_db.is_file():
-        return None
-    with sqlite3.connect(prefect_db) as con:
-        row = con.execute("SELECT id FROM flow_run ORDER BY created DESC LIMIT 1").fetchone()
-    return row[0] if row else None
 
 
 def change_input(src: Path, dst: Path, share: float) -> None:

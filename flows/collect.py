@@ -12,8 +12,6 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from prefect import flow
-
 from flows.enrich import advance, finish, run_summary
 from flows.route import collect_route_step
 from flows.shards import import_shards, pending_requests
@@ -22,6 +20,7 @@ from lowtide.context import run_context
 from lowtide.errors import LowtideError, RunBusyError
 from lowtide.jobspec import load_job
 from lowtide.lease import driving
+from lowtide.orchestration import flow
 from lowtide.settings import Settings
 from lowtide.store import Store
 

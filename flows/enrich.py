@@ -18,7 +18,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypedDict
 
-from prefect import flow
 from prefect.runtime import flow_run
 
 from lowtide import artifacts, progress
@@ -28,6 +27,7 @@ from lowtide.input_identity import input_digest, input_fingerprint, spec_digest
 from lowtide.jobspec import load_job
 from lowtide.lease import driving
 from lowtide.nightly import new_run_id, unchanged_summary
+from lowtide.orchestration import flow
 from lowtide.routing import is_due
 from lowtide.runlog import stage_log
 from lowtide.settings import Settings

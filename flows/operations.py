@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow
-
 from lowtide.backends import Connection, backend_entry
 from lowtide.backends.base import Backend
 from lowtide.errors import (
@@ -19,6 +17,7 @@ from lowtide.errors import (
     UserError,
 )
 from lowtide.jobspec import load_job
+from lowtide.orchestration import flow
 from lowtide.settings import Settings
 from lowtide.store import Store
 

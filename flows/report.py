@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow
-
 from lowtide import artifacts
+from lowtide.orchestration import flow
 from lowtide.settings import Settings
 from lowtide.store import Store
 

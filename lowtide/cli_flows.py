@@ -1,6 +1,7 @@
 """Running a flow from the CLI: Prefect's environment, its temporary server (started tied to
-this process, with the flow's imports and other warm-ups done while it boots) and a live
-progress display; and the run command's way around all of it on an unchanged night."""
+this process, with the flow's imports and other warm-ups done while it boots) or no server at
+all (the flow in-process, when none is configured), a live progress display; and the run
+command's way around all of it on an unchanged night."""
 
 from __future__ import annotations
 
@@ -21,11 +22,21 @@ def prefect_env() -> None:
     prefect_defaults(PREFECT_HOME)
 
 
+def through_prefect() -> bool:
+    """Whether a CLI flow call goes through a Prefect server: a configured one, or the
+    temporary one when LOWTIDE_PREFECT_SERVER=temporary. Otherwise no UI would ever show the
+    run, and the flow runs in this process without Prefect (lowtide/orchestration.py)."""
+    from lowtide.settings import Settings, prefect_server_configured
+
+    return prefect_server_configured(PREFECT_HOME) or Settings().prefect_server == "temporary"
+
+
 def with_progress(call, flow_module: str, warm_ups=()):  # noqa: ANN001, ANN202 - any flow call
-    """Run a flow call with a live progress display (errors are reported by `main`); the
-    call's `flow_module` is imported while Prefect's temporary server starts, then `warm_ups`
-    for as long as it is still starting."""
+    """Run a flow call with a live progress display (errors are reported by `main`). Through
+    Prefect, the call's `flow_module` is imported while Prefect's temporary server starts, then
+    `warm_ups` for as long as it is still starting; in-process, nothing waits for a server."""
     prefect_env()
+    reported = through_prefect()
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from lowtide import progress as progress_channel
@@ -40,7 +51,7 @@ def with_progress(call, flow_module: str, warm_ups=()):  # noqa: ANN001, ANN202 
         transient=True,
         disable=not render.err_console.is_terminal,  # in a pipe it would only add an empty line
     ) as bar:
-        handle = bar.add_task("starting Prefect", total=None)
+        handle = bar.add_task("starting Prefect" if reported else "starting", total=None)
 
         def show(stage: str, done: int, total: int, note: str) -> None:
             bar.update(
@@ -49,6 +60,12 @@ def with_progress(call, flow_module: str, warm_ups=()):  # noqa: ANN001, ANN202 
 
         progress_channel.set_reporter(show)
         try:
+            if not reported:
+                from lowtide.orchestration import in_process
+                from lowtide.settings import Settings
+
+                with in_process(Settings().stage_timings):
+                    return call()
             from lowtide.prefect_server import start_tied_server
 
             # a SIGKILLed run must not leave Prefect's server behind

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -58,6 +58,19 @@ class Settings(BaseSettings):
     )
     vllm_api_key: SecretStr | None = Field(
         None, description="Bearer key for the vLLM pool; overrides [pool] api_key."
+    )
+    prefect_server: Literal["auto", "temporary"] = Field(
+        "auto",
+        description="Where a CLI run reports to when no Prefect server is configured: `auto` "
+        "runs the flow in this process without Prefect (no UI would show the run; `lowtide "
+        "status` does), `temporary` starts Prefect's temporary server for it as before (runs "
+        "land in PREFECT_HOME's database). With a configured server (PREFECT_API_URL or a "
+        "profile), every run goes through it.",
+    )
+    stage_timings: Path | None = Field(
+        None,
+        description="A JSON-lines file that gets each stage's seconds of a run the CLI runs "
+        "without Prefect (what Prefect's task runs would show).",
     )
     crash_at: str | None = Field(
         None,

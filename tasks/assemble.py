@@ -12,12 +12,12 @@ from collections.abc import Callable
 
 import orjson
 import polars as pl
-from prefect import task
 
 from lowtide.context import RunContext
 from lowtide.crashpoints import crash_point
 from lowtide.errors import BudgetExceededError
 from lowtide.jobspec import JobSpec
+from lowtide.orchestration import task
 from lowtide.runlog import stage_log
 from lowtide.tokens import count_tokens
 

@@ -14,10 +14,10 @@ from importlib import metadata
 from typing import Protocol
 
 import polars as pl
-from prefect import task
 
 from lowtide.context import RunContext
 from lowtide.jobspec import JobSpec
+from lowtide.orchestration import task
 from lowtide.runlog import stage_log
 from lowtide.splitting import split_spans
 from lowtide.store.chunk_cuts import CUTS_SCHEMA

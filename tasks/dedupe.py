@@ -15,12 +15,12 @@ import string
 import time
 
 import polars as pl
-from prefect import task
 
 from lowtide.backends import backend_entry
 from lowtide.context import RunContext
 from lowtide.crashpoints import crash_point
 from lowtide.jobspec import JobSpec
+from lowtide.orchestration import task
 from lowtide.runlog import stage_log
 from lowtide.store import Store
 from lowtide.store.compute import sha256_hex

@@ -9,11 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 import polars as pl
-from prefect import task
 
 from lowtide.context import RunContext
 from lowtide.crashpoints import crash_point
 from lowtide.errors import PublishError
+from lowtide.orchestration import task
 from lowtide.runlog import stage_log
 from lowtide.vocabulary import ANSWERED, RunStatus
 

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import orjson
 import polars as pl
-from prefect import task
 
 from lowtide.backends.base import RESULT_SCHEMA, BatchState, BatchStatus, RequestStatus
 from lowtide.context import RunContext
 from lowtide.crashpoints import crash_point
+from lowtide.orchestration import retry_transient, task
 from lowtide.runlog import stage_log
 from lowtide.vocabulary import REALTIME_BACKEND
-from tasks.submit import retry_transient
 
 
 def join_results(

@@ -10,12 +10,12 @@ from typing import Any
 
 import orjson
 import polars as pl
-from prefect import task
 
 from lowtide.context import RunContext
 from lowtide.crashpoints import crash_point
 from lowtide.errors import InputError
 from lowtide.jobspec import JobSpec
+from lowtide.orchestration import task
 from lowtide.runlog import stage_log
 from lowtide.store.compute import read_duckdb_table
 

@@ -13,11 +13,11 @@ import json_repair
 import jsonschema_rs
 import orjson
 import polars as pl
-from prefect import task
 
 from lowtide.backends import EMULATOR_ENGINE
 from lowtide.context import RunContext
 from lowtide.crashpoints import crash_point
+from lowtide.orchestration import task
 from lowtide.runlog import stage_log
 from lowtide.store import Store
 from lowtide.vocabulary import Outcome, RequestStatus

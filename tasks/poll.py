@@ -13,18 +13,17 @@ import time
 from datetime import datetime
 
 import polars as pl
-from prefect import task
 
 from lowtide import progress
 from lowtide.backends.base import Backend, BatchState, BatchStatus
 from lowtide.context import RunContext
 from lowtide.crashpoints import crash_point
 from lowtide.lease import LEASE_S, process_owner
+from lowtide.orchestration import retry_transient, task
 from lowtide.routing import is_due, seconds_left
 from lowtide.runlog import stage_log
 from lowtide.store import Store
 from lowtide.vocabulary import REALTIME_BACKEND
-from tasks.submit import retry_transient
 
 INTERRUPTED = "realtime calls were interrupted before their answers were stored"
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import orjson
 import polars as pl
-from prefect import task
 
 from lowtide.context import RunContext
+from lowtide.orchestration import task
 from lowtide.runlog import stage_log
 from lowtide.store.compute import md5_fraction
 from lowtide.vocabulary import ANSWERED

@@ -11,10 +11,10 @@ from __future__ import annotations
 import secrets
 
 import polars as pl
-from prefect import task
 
 from lowtide.context import RunContext
 from lowtide.crashpoints import crash_point
+from lowtide.orchestration import task
 from lowtide.runlog import stage_log
 from lowtide.store import Store
 from lowtide.vocabulary import REALTIME_BACKEND, Channel

@@ -15,9 +15,9 @@ from typing import Any
 
 import orjson
 import polars as pl
-from prefect import task
 
 from lowtide.context import RunContext
+from lowtide.orchestration import task
 from lowtide.pricing import Price
 from lowtide.runlog import stage_log
 from lowtide.vocabulary import ANSWERED, REALTIME_BACKEND, Channel

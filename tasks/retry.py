@@ -14,11 +14,11 @@ import re
 
 import orjson
 import polars as pl
-from prefect import task
 
 from lowtide.context import RunContext
 from lowtide.crashpoints import crash_point
 from lowtide.jobspec import RetrySpec
+from lowtide.orchestration import task
 from lowtide.runlog import stage_log
 from lowtide.vocabulary import RunStatus
 from tasks.assemble import BATCH_ROW_SCHEMA, plan_batches

@@ -9,12 +9,12 @@ the shard's wall time × [pool] gpu_hour_usd × gpus, shared among its requests 
 from __future__ import annotations
 
 import polars as pl
-from prefect import task
 
 from lowtide import progress
 from lowtide.context import RunContext
 from lowtide.crashpoints import crash_point
 from lowtide.lease import LEASE_S, process_owner
+from lowtide.orchestration import task
 from lowtide.runlog import stage_log
 from lowtide.vocabulary import Channel
 from tasks.parse import parse_results, store_parsed

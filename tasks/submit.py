@@ -8,14 +8,11 @@ is asked (by lowtide's metadata tag) before anything is created.
 
 from __future__ import annotations
 
-from typing import Any
-
-from prefect import task
-
 from lowtide.backends.base import Backend, BatchStatus, TerminalBackendError
 from lowtide.context import RunContext
 from lowtide.crashpoints import crash_point
-from lowtide.errors import InputFileGoneError, TransientBackendError
+from lowtide.errors import InputFileGoneError
+from lowtide.orchestration import retry_transient, task
 from lowtide.runlog import stage_log
 from lowtide.store import Store
 
@@ -55,17 +52,6 @@ def submit_batch(store: Store, backend: Backend, batch_id: str) -> str:
     crash_point("after_create")
     store.record_created(batch_id, provider_id)
     return provider_id
-
-
-def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
-    """Prefect's retry condition for tasks that talk to a provider: only transient errors."""
-    try:
-        state.result()
-    except TransientBackendError:
-        return True
-    except Exception:  # noqa: BLE001 - any other failure is terminal for this task
-        return False
-    return False
 
 
 @task(

@@ -52,6 +52,15 @@ def _from_secret_block(block: str) -> tuple[str | None, str]:
     missing block propagate: they are about Prefect, not the key."""
     from prefect.blocks.system import Secret
 
+    from lowtide.orchestration import running_in_process
+
+    if running_in_process():
+        # blocks live in a Prefect server: the CLI runs without one unless configured, so read
+        # the block through the temporary server, tied to this process (Prefect's own would
+        # outlive a killed run)
+        from lowtide.prefect_server import start_tied_server
+
+        start_tied_server()
     try:
         secret: Secret[str] = Secret.load(block, _sync=True)  # type: ignore[assignment,call-arg]
     except ValueError:  # Prefect: "Unable to find block document named …"

@@ -48,7 +48,8 @@ def test_a_killed_run_leaves_no_prefect_server(tmp_path: Path) -> None:
     home = tmp_path / "prefect-home"
     with Emulator(EmulatorConfig(time_scale=30.0, error_rate=0.0, validating_s=5.0)) as emu:
         env = {
-            "PREFECT_API_URL": "",  # no server: the CLI starts Prefect's temporary one
+            "PREFECT_API_URL": "",  # no server configured, and the temporary one asked for
+            "LOWTIDE_PREFECT_SERVER": "temporary",
             "PREFECT_HOME": str(home),
             "LOWTIDE_EMULATOR_URL": emu.base_url,
             "LOWTIDE_CRASH_AT": "after_create",
@@ -74,7 +75,14 @@ def test_a_damaged_prefect_database_is_one_line_at_once(tmp_path: Path) -> None:
     (home / "prefect.db").write_bytes(os.urandom(50_000))
     job = write_job(tmp_path, rows=5, eval_rows=2)
     result = lowtide_cli(
-        "run", str(job), cwd=tmp_path, env={"PREFECT_API_URL": "", "PREFECT_HOME": str(home)}
+        "run",
+        str(job),
+        cwd=tmp_path,
+        env={
+            "PREFECT_API_URL": "",
+            "PREFECT_HOME": str(home),
+            "LOWTIDE_PREFECT_SERVER": "temporary",
+        },
     )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.splitlines()

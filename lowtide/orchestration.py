@@ -1,0 +1,143 @@
+"""Who runs the stages: Prefect, or this process alone.
+
+Every flow and stage is a Prefect flow or task, so a deployment, a test under Prefect's harness
+or a CLI run against a configured server shows each run and its task runs in the UI. When the
+CLI has no server to report to, starting Prefect's temporary one costs ~8 s of a core to record
+runs that no UI shows (`lowtide status` and the state file hold every fact of a run), so the CLI
+runs the same flows in-process instead (`in_process()`): each flow and task calls its function
+directly, a task keeps its retries on transient provider errors, and each stage's duration goes
+to `lowtide.stages` (and, with LOWTIDE_STAGE_TIMINGS, to a file: the benchmark's per-stage
+seconds). Outside `in_process()` these are Prefect's own flows and tasks, unchanged.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any
+
+import orjson
+from prefect import Flow, Task
+
+from lowtide.errors import TransientBackendError
+
+_IN_PROCESS: ContextVar[bool] = ContextVar("lowtide_in_process", default=False)
+_TIMINGS: ContextVar[Path | None] = ContextVar("lowtide_stage_timings", default=None)
+_log = logging.getLogger("lowtide.stages")
+
+
+@contextmanager
+def in_process(timings: Path | None = None) -> Iterator[None]:
+    """Run the flows and tasks called inside without Prefect; `timings` (a JSON-lines file)
+    gets one line per stage call: the flow or task's name, its run name and seconds."""
+    token = _IN_PROCESS.set(True)
+    timings_token = _TIMINGS.set(timings)
+    try:
+        yield
+    finally:
+        _TIMINGS.reset(timings_token)
+        _IN_PROCESS.reset(token)
+
+
+def running_in_process() -> bool:
+    return _IN_PROCESS.get()
+
+
+def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
+    """Prefect's retry condition for tasks that talk to a provider: only transient errors."""
+    try:
+        state.result()
+    except TransientBackendError:
+        return True
+    except Exception:  # noqa: BLE001 - any other failure is terminal for this task
+        return False
+    return False
+
+
+class Stage(Task):
+    """A Prefect task that, inside `in_process()`, is a plain call of its function (with the
+    task's retries on transient provider errors, the only retry condition our tasks use)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not _IN_PROCESS.get():
+            return super().__call__(*args, **kwargs)
+        run_name = _run_name(self.fn, self.task_run_name, args, kwargs) or self.name
+        delays = _delays(self.retry_delay_seconds, self.retries or 0)
+        with _timed("task", self.name, run_name):
+            for attempt in range(len(delays) + 1):
+                try:
+                    return self.fn(*args, **kwargs)
+                except TransientBackendError as err:
+                    if self.retry_condition_fn is None or attempt == len(delays):
+                        raise
+                    wait = delays[attempt] * (1 + random.uniform(0, self.retry_jitter_factor or 0))
+                    _log.warning("%s: %s; retrying in %.1f s", run_name, err, wait)
+                    time.sleep(wait)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+class Pipeline(Flow):
+    """A Prefect flow that, inside `in_process()`, is a plain call of its function."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not _IN_PROCESS.get():
+            return super().__call__(*args, **kwargs)
+        run_name = self.flow_run_name if isinstance(self.flow_run_name, str) else None
+        formatted = _run_name(self.fn, run_name, args, kwargs) or self.name
+        with _timed("flow", self.name, formatted):
+            return self.fn(*args, **kwargs)
+
+
+def task(**options: Any) -> Callable[[Callable[..., Any]], Stage]:
+    """`prefect.task` with the same options, giving a `Stage`."""
+    return lambda fn: Stage(fn, **options)
+
+
+def flow(**options: Any) -> Callable[[Callable[..., Any]], Pipeline]:
+    """`prefect.flow` with the same options, giving a `Pipeline`."""
+    return lambda fn: Pipeline(fn, **options)
+
+
+def _run_name(
+    fn: Callable[..., Any], template: object, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> str | None:
+    if not isinstance(template, str):
+        return None
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+        bound.apply_defaults()
+        return template.format(**bound.arguments)
+    except (TypeError, KeyError, IndexError, ValueError):
+        return template
+
+
+def _delays(setting: object, retries: int) -> list[float]:
+    """Prefect's retry_delay_seconds (a number or a list, the last repeated) as one delay per
+    retry."""
+    if retries <= 0:
+        return []
+    if isinstance(setting, (int, float)):
+        return [float(setting)] * retries
+    listed = [float(d) for d in setting] if isinstance(setting, list) and setting else [0.0]
+    return [listed[min(i, len(listed) - 1)] for i in range(retries)]
+
+
+@contextmanager
+def _timed(kind: str, name: str, run_name: str) -> Iterator[None]:
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds = time.perf_counter() - started
+        _log.info("%s %s took %.2f s", kind, run_name, seconds)
+        path = _TIMINGS.get()
+        if path is not None:
+            line = {"kind": kind, "name": name, "run_name": run_name, "seconds": seconds}
+            with path.open("ab") as out:
+                out.write(orjson.dumps(line) + b"\n")

@@ -1,0 +1,92 @@
+"""The CLI without a configured Prefect server runs its flows in-process: no Prefect server is
+started (none would show the run), every row still ends with an outcome, and a stage's
+duration is still on record. With LOWTIDE_PREFECT_SERVER=temporary it goes through Prefect's
+temporary server as before, and the run is in that server's database. Real CLI processes, the
+emulator over HTTP, real DuckDB and SQLite files."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import orjson
+
+from lowtide.emulator import Emulator
+from tests.integration.conftest import lowtide_cli, write_job
+
+STAGES = {"load", "chunk", "dedupe", "assemble", "submit", "poll", "join", "parse", "publish"}
+
+
+def _timings(path: Path) -> list[dict]:
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()]
+
+
+def test_a_run_without_a_server_starts_no_prefect_and_records_its_stages(
+    emulator: Emulator, tmp_path: Path
+) -> None:
+    job = write_job(tmp_path, rows=25, eval_rows=4)
+    home = tmp_path / "prefect-home"
+    timings = tmp_path / "stages.jsonl"
+    env = {
+        "PREFECT_API_URL": "",  # no server configured
+        "PREFECT_HOME": str(home),
+        "LOWTIDE_EMULATOR_URL": emulator.base_url,
+        "LOWTIDE_STAGE_TIMINGS": str(timings),
+    }
+    done = lowtide_cli("run", str(job), cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr
+    assert not (home / "prefect.db").exists()  # no Prefect server ever opened its database
+    [run] = orjson.loads(lowtide_cli("status", "--json", cwd=tmp_path, env=env).stdout)
+    assert run["status"] == "completed"
+    assert run["rows"] == 25 and run["succeeded"] + run["failed"] == 25
+    assert run["requests_sent"] > 0
+    lines = _timings(timings)
+    assert STAGES <= {line["name"] for line in lines}
+    assert [line["name"] for line in lines if line["kind"] == "flow"] == ["enrich"]
+    assert all(line["seconds"] >= 0 for line in lines)
+    assert any(line["run_name"] == f"publish-{run['run_id']}" for line in lines)
+
+
+def test_no_wait_and_collect_without_a_server_finish_the_run(
+    emulator: Emulator, tmp_path: Path
+) -> None:
+    job = write_job(tmp_path, rows=15, eval_rows=3)
+    home = tmp_path / "prefect-home"
+    env = {
+        "PREFECT_API_URL": "",
+        "PREFECT_HOME": str(home),
+        "LOWTIDE_EMULATOR_URL": emulator.base_url,
+    }
+    submitted = lowtide_cli("run", str(job), "--no-wait", cwd=tmp_path, env=env)
+    assert submitted.returncode == 0, submitted.stderr
+    for _round in range(200):  # each collect polls once; the emulator's batches end meanwhile
+        collected = lowtide_cli("collect", cwd=tmp_path, env=env)
+        assert collected.returncode == 0, collected.stderr
+        [run] = orjson.loads(lowtide_cli("status", "--json", cwd=tmp_path, env=env).stdout)
+        if run["status"] == "completed":
+            break
+    assert run["status"] == "completed", run
+    assert run["succeeded"] + run["failed"] == 15
+    assert not (home / "prefect.db").exists()
+
+
+def test_the_temporary_server_when_asked_records_the_run_in_prefect(
+    emulator: Emulator, tmp_path: Path
+) -> None:
+    job = write_job(tmp_path, rows=10, eval_rows=2)
+    home = tmp_path / "prefect-home"
+    env = {
+        "PREFECT_API_URL": "",
+        "PREFECT_HOME": str(home),
+        "LOWTIDE_EMULATOR_URL": emulator.base_url,
+        "LOWTIDE_PREFECT_SERVER": "temporary",
+    }
+    done = lowtide_cli("run", str(job), cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr
+    with sqlite3.connect(home / "prefect.db") as con:
+        flows = con.execute(
+            "SELECT flow.name FROM flow_run JOIN flow ON flow.id = flow_run.flow_id"
+        ).fetchall()
+        tasks = con.execute("SELECT count(*) FROM task_run").fetchone()[0]
+    assert flows == [("enrich",)]
+    assert tasks >= len(STAGES)

@@ -1,0 +1,68 @@
+"""Flows and tasks inside `in_process()`: plain calls, no Prefect context, a task's retries on
+transient provider errors kept, and timings written; outside it they are Prefect's own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+from prefect import Flow, Task
+from prefect.context import FlowRunContext, TaskRunContext
+
+from lowtide.errors import TerminalBackendError, TransientBackendError
+from lowtide.orchestration import flow, in_process, retry_transient, task
+
+calls: list[str] = []
+
+
+@task(
+    name="flaky",
+    task_run_name="flaky-{key}",
+    retries=2,
+    retry_delay_seconds=[0, 0],
+    retry_condition_fn=retry_transient,
+)
+def flaky(key: str, failures: list[BaseException]) -> str:
+    calls.append(key)
+    assert TaskRunContext.get() is None  # no Prefect task run around it
+    if failures:
+        raise failures.pop(0)
+    return f"done {key}"
+
+
+@flow(name="outer", flow_run_name="outer-{key}")
+def outer(key: str, failures: list[BaseException]) -> str:
+    assert FlowRunContext.get() is None
+    return flaky(key, failures)
+
+
+def test_they_are_prefect_flows_and_tasks() -> None:
+    assert isinstance(flaky, Task) and isinstance(outer, Flow)
+    assert flaky.retries == 2 and outer.name == "outer"
+
+
+def test_in_process_a_transient_error_is_retried_and_timings_are_written(tmp_path: Path) -> None:
+    calls.clear()
+    timings = tmp_path / "t.jsonl"
+    with in_process(timings):
+        result = outer("a", [TransientBackendError("429", backend="x", operation="poll")])
+    assert result == "done a"
+    assert calls == ["a", "a"]
+    lines = [orjson.loads(line) for line in timings.read_bytes().splitlines()]
+    assert [(line["kind"], line["run_name"]) for line in lines] == [
+        ("task", "flaky-a"),
+        ("flow", "outer-a"),
+    ]
+
+
+def test_in_process_retries_stop_at_the_task_limit_and_never_on_terminal_errors() -> None:
+    calls.clear()
+    transient = [TransientBackendError("503", backend="x", operation="poll") for _ in range(3)]
+    with in_process(), pytest.raises(TransientBackendError):
+        outer("b", transient)
+    assert calls == ["b"] * 3  # the first try and two retries
+    calls.clear()
+    with in_process(), pytest.raises(TerminalBackendError):
+        outer("c", [TerminalBackendError("400", backend="x", operation="poll")])
+    assert calls == ["c"]
