@@ -218,6 +218,11 @@ def night(name: str, job: Path, env: dict[str, str], work: Path) -> dict:
         check=True,
     )
     run = json.loads(status.stdout)[0]
+    if run.get("unchanged_from") is None and not timings.is_file():
+        sys.exit(
+            f"{name}: the run left no stage timings, so it went through a Prefect server (a "
+            "profile or ./prefect.toml names one?): run the bench without one"
+        )
     stages, task_runs = stage_seconds(timings)
     sizes = {k: Path(env[k]).stat().st_size for k in ("LOWTIDE_STATE", "LOWTIDE_DB")}
     return {

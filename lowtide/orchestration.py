@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import random
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,6 +23,8 @@ from typing import Any
 
 import orjson
 from prefect import Flow, Task
+from prefect.states import Failed
+from prefect.utilities.math import clamped_poisson_interval
 
 from lowtide.errors import TransientBackendError
 
@@ -61,8 +62,10 @@ def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
 
 
 class Stage(Task):
-    """A Prefect task that, inside `in_process()`, is a plain call of its function (with the
-    task's retries on transient provider errors, the only retry condition our tasks use)."""
+    """A Prefect task that, inside `in_process()`, is a plain call of its function, retried as
+    Prefect would: up to `retries` times, when `retry_condition_fn` (if set) says so, after
+    `retry_delay_seconds` with the same jitter. (`with_options`, `.submit` and `.map` give or
+    use Prefect's own task: the flows here do not use them.)"""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not _IN_PROCESS.get():
@@ -73,13 +76,20 @@ class Stage(Task):
             for attempt in range(len(delays) + 1):
                 try:
                     return self.fn(*args, **kwargs)
-                except TransientBackendError as err:
-                    if self.retry_condition_fn is None or attempt == len(delays):
+                except Exception as err:
+                    if attempt == len(delays) or not self._retries_after(err):
                         raise
-                    wait = delays[attempt] * (1 + random.uniform(0, self.retry_jitter_factor or 0))
+                    wait = delays[attempt]
+                    if self.retry_jitter_factor and wait > 0:
+                        wait = clamped_poisson_interval(wait, self.retry_jitter_factor)
                     _log.warning("%s: %s; retrying in %.1f s", run_name, err, wait)
                     time.sleep(wait)
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _retries_after(self, err: Exception) -> bool:
+        if self.retry_condition_fn is None:
+            return True
+        return bool(self.retry_condition_fn(self, None, Failed(data=err)))  # type: ignore[arg-type]
 
 
 class Pipeline(Flow):
@@ -139,5 +149,8 @@ def _timed(kind: str, name: str, run_name: str) -> Iterator[None]:
         path = _TIMINGS.get()
         if path is not None:
             line = {"kind": kind, "name": name, "run_name": run_name, "seconds": seconds}
-            with path.open("ab") as out:
-                out.write(orjson.dumps(line) + b"\n")
+            try:
+                with path.open("ab") as out:
+                    out.write(orjson.dumps(line) + b"\n")
+            except OSError as err:  # a figure for the curious never fails the stage it timed
+                _log.warning("stage timings not written to %s: %s", path, err)

@@ -39,6 +39,8 @@ from lowtide.settings import (
 _PR_SET_PDEATHSIG = 1
 _MOVED: list[Any] = []
 """Prefect settings entered for good when the server had to move to another port."""
+_STARTED_THROUGH_PREFECT: list[bool] = []
+"""Set once Prefect's own start-up made this process's server (its clients then find it)."""
 
 
 def _die_with_parent() -> None:
@@ -219,11 +221,11 @@ def _spawn() -> _Server:
 
 def _start_through_prefect() -> None:
     """Prefect's own start-up of its temporary server, with the child tied to this process."""
-    from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL
 
-    if PREFECT_API_URL.value():
+    if PREFECT_API_URL.value() or _STARTED_THROUGH_PREFECT:
         return
+    from prefect.server.api.server import SubprocessASGIServer  # 6 s of imports: only now
 
     class TiedServer(SubprocessASGIServer):
         def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
@@ -244,6 +246,7 @@ def _start_through_prefect() -> None:
         TiedServer().start()
     except RuntimeError as e:  # Prefect's own: "Timed out while attempting to connect ..."
         raise _did_not_start(" ".join(str(e).split()).rstrip("."), database) from e
+    _STARTED_THROUGH_PREFECT.append(True)
     if new and database is not None:
         keep_template(database)
 

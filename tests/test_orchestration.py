@@ -37,6 +37,24 @@ def outer(key: str, failures: list[BaseException]) -> str:
     return flaky(key, failures)
 
 
+@task(name="once-more", retries=1, retry_delay_seconds=0)
+def once_more(failures: list[BaseException]) -> str:
+    calls.append("once-more")
+    if failures:
+        raise failures.pop(0)
+    return "done"
+
+
+@task(name="inside")
+def inside() -> bool:
+    return TaskRunContext.get() is not None
+
+
+@flow(name="probe")
+def probe() -> tuple[bool, bool]:
+    return FlowRunContext.get() is not None, inside()
+
+
 def test_they_are_prefect_flows_and_tasks() -> None:
     assert isinstance(flaky, Task) and isinstance(outer, Flow)
     assert flaky.retries == 2 and outer.name == "outer"
@@ -66,3 +84,23 @@ def test_in_process_retries_stop_at_the_task_limit_and_never_on_terminal_errors(
     with in_process(), pytest.raises(TerminalBackendError):
         outer("c", [TerminalBackendError("400", backend="x", operation="poll")])
     assert calls == ["c"]
+
+
+def test_without_a_condition_any_error_is_retried_as_prefect_does() -> None:
+    calls.clear()
+    with in_process():
+        assert once_more([ValueError("flaky disk")]) == "done"
+    assert calls == ["once-more", "once-more"]
+
+
+def test_an_unwritable_timings_file_does_not_fail_the_stage(tmp_path: Path) -> None:
+    calls.clear()
+    with in_process(tmp_path / "no-such-folder" / "t.jsonl"):
+        assert outer("d", []) == "done d"
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_outside_in_process_they_run_through_prefect() -> None:
+    with in_process():
+        assert probe() == (False, False)
+    assert probe() == (True, True)  # the flag ends with the block: Prefect's flow and task runs

@@ -52,15 +52,12 @@ def _from_secret_block(block: str) -> tuple[str | None, str]:
     missing block propagate: they are about Prefect, not the key."""
     from prefect.blocks.system import Secret
 
-    from lowtide.orchestration import running_in_process
+    from lowtide.prefect_server import start_tied_server
 
-    if running_in_process():
-        # blocks live in a Prefect server: the CLI runs without one unless configured, so read
-        # the block through the temporary server, tied to this process (Prefect's own would
-        # outlive a killed run)
-        from lowtide.prefect_server import start_tied_server
-
-        start_tied_server()
+    # blocks live in a Prefect server: with none configured (a CLI run in-process, `lowtide
+    # cancel`), read it through a temporary one tied to this process, as Prefect's own would
+    # outlive a killed run; a no-op when a server is configured or already started
+    start_tied_server()
     try:
         secret: Secret[str] = Secret.load(block, _sync=True)  # type: ignore[assignment,call-arg]
     except ValueError:  # Prefect: "Unable to find block document named …"

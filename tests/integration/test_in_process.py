@@ -6,13 +6,17 @@ emulator over HTTP, real DuckDB and SQLite files."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import orjson
 
 from lowtide.emulator import Emulator
 from tests.integration.conftest import lowtide_cli, write_job
+from tests.integration.test_orphan_server import _servers_with_home
 
 STAGES = {"load", "chunk", "dedupe", "assemble", "submit", "poll", "join", "parse", "publish"}
 
@@ -90,3 +94,44 @@ def test_the_temporary_server_when_asked_records_the_run_in_prefect(
         tasks = con.execute("SELECT count(*) FROM task_run").fetchone()[0]
     assert flows == [("enrich",)]
     assert tasks >= len(STAGES)
+
+
+_SAVE_BLOCK = """
+import sys
+from prefect.blocks.system import Secret
+
+Secret(value=sys.argv[2]).save(sys.argv[1])
+"""
+
+
+def test_a_key_in_a_secret_block_is_read_through_a_tied_server(
+    emulator: Emulator, tmp_path: Path
+) -> None:
+    """In-process, a job whose key is in a Prefect Secret block still gets it: the CLI starts
+    Prefect's temporary server on the home's database for the block alone; no flow run is
+    recorded there, and the server is gone when the CLI exits."""
+    home = tmp_path / "prefect-home"
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "PREFECT_API"))}
+    base["PREFECT_HOME"] = str(home)
+    saved = subprocess.run(
+        [sys.executable, "-c", _SAVE_BLOCK, "openai-key", "sk-from-block"],
+        env=base,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert saved.returncode == 0, saved.stderr
+    job = write_job(
+        tmp_path,
+        rows=12,
+        eval_rows=2,
+        replace={"extra_body = {}\n": 'extra_body = {}\napi_key_block = "openai-key"\n'},
+    )
+    env = {**base, "OPENAI_BASE_URL": emulator.openai_base_url}
+    done = lowtide_cli("run", str(job), "--backend", "openai", cwd=tmp_path, env=env, inherit=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    [run] = orjson.loads(lowtide_cli("status", "--json", cwd=tmp_path, env=env).stdout)
+    assert run["status"] == "completed" and run["succeeded"] == 12
+    with sqlite3.connect(home / "prefect.db") as con:
+        assert con.execute("SELECT count(*) FROM flow_run").fetchone()[0] == 0
+    assert not _servers_with_home(home)
