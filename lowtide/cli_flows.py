@@ -5,8 +5,11 @@ command's way around all of it on an unchanged night."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +67,7 @@ def with_progress(call, flow_module: str, warm_ups=()):  # noqa: ANN001, ANN202 
                 from lowtide.orchestration import in_process
                 from lowtide.settings import Settings
 
-                with in_process(Settings().stage_timings):
+                with in_process(Settings().stage_timings), _terminate_as_interrupt():
                     return call()
             from lowtide.prefect_server import start_tied_server
 
@@ -73,6 +76,24 @@ def with_progress(call, flow_module: str, warm_ups=()):  # noqa: ANN001, ANN202 
             return call()
         finally:
             progress_channel.set_reporter(None)
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (a service manager stopping the CLI) unwinds like Ctrl-C, so the run's lease,
+    emulator and files are closed on the way out, as Prefect's flow engine does for its runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run_job(

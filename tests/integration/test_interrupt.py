@@ -2,7 +2,8 @@
 command afterwards resumes the run without sending anything twice.
 
 The run is a real subprocess started as a terminal starts it (SIGINT at its default), on
-Prefect's temporary server (the case where a child server could outlive it). The emulator's
+Prefect's temporary server (the case where a child server could outlive it); SIGTERM to a run
+in-process (no server) ends it the same way. The emulator's
 clock stands still, so the run is certainly waiting in its poll loop when the signal comes: the
 test waits for the event (the run recorded as submitted), never for a time.
 """
@@ -56,17 +57,30 @@ def _wait_until_submitted(store: Store, proc: subprocess.Popen[str]) -> str:
     raise AssertionError("the run never reached submitted")
 
 
-def test_ctrl_c_stops_a_waiting_run_in_one_line_and_the_rerun_resumes_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("sent", "prefect"),
+    [
+        (signal.SIGINT, "temporary"),  # Ctrl-C, with Prefect's temporary server as a child
+        (signal.SIGTERM, "auto"),  # a service manager's stop, the run in-process
+    ],
+)
+def test_ctrl_c_stops_a_waiting_run_in_one_line_and_the_rerun_resumes_it(
+    tmp_path: Path, sent: signal.Signals, prefect: str
+) -> None:
     job = write_job(tmp_path, rows=20, eval_rows=5)
     state = os.environ["LOWTIDE_STATE"]
     frozen = EmulatorConfig(time_scale=0.0, error_rate=0.0, validating_s=3600)
     with Emulator(frozen) as emu:
-        env = {**os.environ, "LOWTIDE_EMULATOR_URL": emu.base_url}
-        env.pop("PREFECT_API_URL", None)  # Prefect's temporary server, started by the run
+        env = {
+            **os.environ,
+            "LOWTIDE_EMULATOR_URL": emu.base_url,
+            "LOWTIDE_PREFECT_SERVER": prefect,
+        }
+        env.pop("PREFECT_API_URL", None)  # no server configured
         proc = start_lowtide_run(job, env, tmp_path)
         try:
             run_id = _wait_until_submitted(Store(state), proc)
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(sent)
             out, err = proc.communicate(timeout=_BOUND_S)
         finally:
             if proc.poll() is None:
@@ -75,7 +89,7 @@ def test_ctrl_c_stops_a_waiting_run_in_one_line_and_the_rerun_resumes_it(tmp_pat
         assert "stopped: interrupted" in err and "Traceback" not in out + err, (out, err)
         deadline = time.monotonic() + 30
         while _processes_of(state) and time.monotonic() < deadline:
-            time.sleep(0.2)  # the temporary server follows its parent out
+            time.sleep(0.2)  # anything the run started follows it out
         assert _processes_of(state) == []
         # the batch was accepted before the interrupt: the rerun waits for it, sends nothing
         emu.state.clock.set_time_scale(600.0)
