@@ -37,9 +37,21 @@ def input_fingerprint(job: JobSpec) -> str:
 
 def input_digest(job: JobSpec) -> str | None:
     """Digest of the input's and eval set's bytes (a file rewritten with the same content keeps
-    it); None for a source that is not a plain file. About 1 s per GB, read in 1 MiB pieces."""
+    it); None for a source that is not a plain file. About 1 s per GB, read in 1 MiB pieces,
+    once per process for the same files (by path, size and modification time): the CLI's
+    unchanged-night check and the flow's own ask for it in turn."""
     if job.input.path.startswith("duckdb:"):
         return None  # a database file changes under writes that keep the table as it was
+    fingerprint = input_fingerprint(job)
+    if fingerprint not in _DIGESTS:
+        _DIGESTS[fingerprint] = _read_digest(job)
+    return _DIGESTS[fingerprint]
+
+
+_DIGESTS: dict[str, str | None] = {}
+
+
+def _read_digest(job: JobSpec) -> str | None:
     digest = hashlib.blake2b(digest_size=20)
     for path in input_files(job):
         if path is None:
