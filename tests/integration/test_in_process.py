@@ -21,6 +21,17 @@ from tests.integration.test_orphan_server import _servers_with_home
 STAGES = {"load", "chunk", "dedupe", "assemble", "submit", "poll", "join", "parse", "publish"}
 
 
+def _no_server(tmp_path: Path, emulator: Emulator, **extra: str) -> tuple[Path, dict[str, str]]:
+    """A Prefect home of the test's own and an environment that configures no server."""
+    home = tmp_path / "prefect-home"
+    env = {
+        "PREFECT_API_URL": "",
+        "PREFECT_HOME": str(home),
+        "LOWTIDE_EMULATOR_URL": emulator.base_url,
+    }
+    return home, env | extra
+
+
 def _timings(path: Path) -> list[dict]:
     return [orjson.loads(line) for line in path.read_bytes().splitlines()]
 
@@ -29,14 +40,8 @@ def test_a_run_without_a_server_starts_no_prefect_and_records_its_stages(
     emulator: Emulator, tmp_path: Path
 ) -> None:
     job = write_job(tmp_path, rows=25, eval_rows=4)
-    home = tmp_path / "prefect-home"
     timings = tmp_path / "stages.jsonl"
-    env = {
-        "PREFECT_API_URL": "",  # no server configured
-        "PREFECT_HOME": str(home),
-        "LOWTIDE_EMULATOR_URL": emulator.base_url,
-        "LOWTIDE_STAGE_TIMINGS": str(timings),
-    }
+    home, env = _no_server(tmp_path, emulator, LOWTIDE_STAGE_TIMINGS=str(timings))
     done = lowtide_cli("run", str(job), cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr
     assert not (home / "prefect.db").exists()  # no Prefect server ever opened its database
@@ -55,12 +60,7 @@ def test_no_wait_and_collect_without_a_server_finish_the_run(
     emulator: Emulator, tmp_path: Path
 ) -> None:
     job = write_job(tmp_path, rows=15, eval_rows=3)
-    home = tmp_path / "prefect-home"
-    env = {
-        "PREFECT_API_URL": "",
-        "PREFECT_HOME": str(home),
-        "LOWTIDE_EMULATOR_URL": emulator.base_url,
-    }
+    home, env = _no_server(tmp_path, emulator)
     submitted = lowtide_cli("run", str(job), "--no-wait", cwd=tmp_path, env=env)
     assert submitted.returncode == 0, submitted.stderr
     for _round in range(200):  # each collect polls once; the emulator's batches end meanwhile
@@ -78,13 +78,7 @@ def test_the_temporary_server_when_asked_records_the_run_in_prefect(
     emulator: Emulator, tmp_path: Path
 ) -> None:
     job = write_job(tmp_path, rows=10, eval_rows=2)
-    home = tmp_path / "prefect-home"
-    env = {
-        "PREFECT_API_URL": "",
-        "PREFECT_HOME": str(home),
-        "LOWTIDE_EMULATOR_URL": emulator.base_url,
-        "LOWTIDE_PREFECT_SERVER": "temporary",
-    }
+    home, env = _no_server(tmp_path, emulator, LOWTIDE_PREFECT_SERVER="temporary")
     done = lowtide_cli("run", str(job), cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr
     with sqlite3.connect(home / "prefect.db") as con:
