@@ -11,7 +11,7 @@ from typer.core import TyperGroup
 
 from lowtide import render
 from lowtide.backends import KNOWN, backend_entry
-from lowtide.cli_flows import prefect_env, run_job, with_progress
+from lowtide.cli_flows import Terminated, prefect_env, run_job, with_progress
 from lowtide.cli_shards import shards_app
 from lowtide.errors import LowtideError
 
@@ -30,12 +30,14 @@ class _OneLineErrors(TyperGroup):
             return super().invoke(ctx)
         except LowtideError as e:
             raise typer.Exit(render.error(e)) from e
-        except KeyboardInterrupt:  # Ctrl-C: one line, and the way back in (not click's Abort)
+        except KeyboardInterrupt as e:  # Ctrl-C: one line, and the way back in (not Abort)
             render.error_line(
                 "interrupted. A run is resumable: the same command continues it and sends "
                 "nothing a provider already accepted (`lowtide status` shows where it stands).",
                 label="stopped:",
             )
+            if isinstance(e, Terminated):
+                e.end_process()  # ended by SIGTERM, as a service manager expects
             raise typer.Exit(130) from None
         except UsageError as e:  # a subcommand's bad flag: one line too, not a box
             path = e.ctx.command_path if e.ctx is not None else "lowtide"
@@ -165,6 +167,7 @@ def cancel(
     run_id: Annotated[str, typer.Argument(help="The run whose in-flight batches to cancel.")],
 ) -> None:
     """Cancel a run's in-flight batches; `lowtide collect` then records what finished."""
+    prefect_env()  # a key in a Secret block is read from the same Prefect home as `run`'s
     from flows.operations import cancel_run
     from lowtide.settings import Settings
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -78,16 +80,31 @@ def with_progress(call, flow_module: str, warm_ups=()):  # noqa: ANN001, ANN202 
             progress_channel.set_reporter(None)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM while a flow runs in-process: unwound like Ctrl-C, then the process ends by the
+    signal."""
+
+    def end_process(self) -> None:
+        """Die of SIGTERM (a service manager counts that as a clean stop, exit 130 as a
+        failure); the run's `finally` blocks have run by now."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise SystemExit(128 + signal.SIGTERM)  # only if the signal did not end us
+
+
 @contextlib.contextmanager
 def _terminate_as_interrupt() -> Iterator[None]:
     """SIGTERM (a service manager stopping the CLI) unwinds like Ctrl-C, so the run's lease,
-    emulator and files are closed on the way out, as Prefect's flow engine does for its runs."""
+    emulator and files are closed on the way out, as Prefect's flow engine does for its runs;
+    the process still ends by the signal."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
+        raise Terminated
 
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:

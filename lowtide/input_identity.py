@@ -38,14 +38,28 @@ def input_fingerprint(job: JobSpec) -> str:
 def input_digest(job: JobSpec) -> str | None:
     """Digest of the input's and eval set's bytes (a file rewritten with the same content keeps
     it); None for a source that is not a plain file. About 1 s per GB, read in 1 MiB pieces,
-    once per process for the same files (by path, size and modification time): the CLI's
-    unchanged-night check and the flow's own ask for it in turn."""
+    once per process for the same file versions: the CLI's unchanged-night check and the
+    flow's own ask for it in turn."""
     if job.input.path.startswith("duckdb:"):
         return None  # a database file changes under writes that keep the table as it was
-    fingerprint = input_fingerprint(job)
-    if fingerprint not in _DIGESTS:
-        _DIGESTS[fingerprint] = _read_digest(job)
-    return _DIGESTS[fingerprint]
+    version = _file_versions(job)
+    if version not in _DIGESTS:
+        _DIGESTS[version] = _read_digest(job)
+    return _DIGESTS[version]
+
+
+def _file_versions(job: JobSpec) -> str:
+    """The files' identity as the kernel keeps it: besides path, size and modification time
+    (which a copy or a test can set back), the inode and the change time, which nothing sets."""
+    parts = []
+    for path in input_files(job):
+        st = Path(path).stat() if path and Path(path).is_file() else None
+        parts.append(
+            f"{path}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_ctime_ns}"
+            if st
+            else str(path)
+        )
+    return "\n".join(parts)
 
 
 _DIGESTS: dict[str, str | None] = {}

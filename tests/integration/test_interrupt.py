@@ -3,7 +3,7 @@ command afterwards resumes the run without sending anything twice.
 
 The run is a real subprocess started as a terminal starts it (SIGINT at its default), on
 Prefect's temporary server (the case where a child server could outlive it); SIGTERM to a run
-in-process (no server) ends it the same way. The emulator's
+in-process (no server) is reported the same way, and the process then ends by the signal. The emulator's
 clock stands still, so the run is certainly waiting in its poll loop when the signal comes: the
 test waits for the event (the run recorded as submitted), never for a time.
 """
@@ -58,14 +58,15 @@ def _wait_until_submitted(store: Store, proc: subprocess.Popen[str]) -> str:
 
 
 @pytest.mark.parametrize(
-    ("sent", "prefect"),
+    ("sent", "prefect", "returncode"),
     [
-        (signal.SIGINT, "temporary"),  # Ctrl-C, with Prefect's temporary server as a child
-        (signal.SIGTERM, "auto"),  # a service manager's stop, the run in-process
+        (signal.SIGINT, "temporary", 130),  # Ctrl-C, with Prefect's temporary server as a child
+        (signal.SIGINT, "auto", 130),  # Ctrl-C, the run in-process
+        (signal.SIGTERM, "auto", -signal.SIGTERM),  # a service manager's stop: ends by it
     ],
 )
-def test_ctrl_c_stops_a_waiting_run_in_one_line_and_the_rerun_resumes_it(
-    tmp_path: Path, sent: signal.Signals, prefect: str
+def test_an_interrupt_stops_a_waiting_run_in_one_line_and_the_rerun_resumes_it(
+    tmp_path: Path, sent: signal.Signals, prefect: str, returncode: int
 ) -> None:
     job = write_job(tmp_path, rows=20, eval_rows=5)
     state = os.environ["LOWTIDE_STATE"]
@@ -85,7 +86,7 @@ def test_ctrl_c_stops_a_waiting_run_in_one_line_and_the_rerun_resumes_it(
         finally:
             if proc.poll() is None:
                 proc.kill()
-        assert proc.returncode == 130, (out, err)
+        assert proc.returncode == returncode, (out, err)
         assert "stopped: interrupted" in err and "Traceback" not in out + err, (out, err)
         deadline = time.monotonic() + 30
         while _processes_of(state) and time.monotonic() < deadline:
