@@ -46,10 +46,6 @@ def in_process(timings: Path | None = None) -> Iterator[None]:
         _IN_PROCESS.reset(token)
 
 
-def running_in_process() -> bool:
-    return _IN_PROCESS.get()
-
-
 def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
     """Prefect's retry condition for tasks that talk to a provider: only transient errors."""
     try:
