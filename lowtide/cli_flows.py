@@ -27,13 +27,13 @@ def prefect_env() -> None:
     prefect_defaults(PREFECT_HOME)
 
 
-def through_prefect() -> bool:
+def through_prefect(settings: Any) -> bool:
     """Whether a CLI flow call goes through a Prefect server: a configured one, or the
     temporary one when LOWTIDE_PREFECT_SERVER=temporary. Otherwise no UI would ever show the
     run, and the flow runs in this process without Prefect (lowtide/orchestration.py)."""
-    from lowtide.settings import Settings, prefect_server_configured
+    from lowtide.settings import prefect_server_configured
 
-    return prefect_server_configured(PREFECT_HOME) or Settings().prefect_server == "temporary"
+    return prefect_server_configured(PREFECT_HOME) or settings.prefect_server == "temporary"
 
 
 def with_progress(call, flow_module: str, warm_ups=()):  # noqa: ANN001, ANN202 - any flow call
@@ -41,7 +41,10 @@ def with_progress(call, flow_module: str, warm_ups=()):  # noqa: ANN001, ANN202 
     Prefect, the call's `flow_module` is imported while Prefect's temporary server starts, then
     `warm_ups` for as long as it is still starting; in-process, nothing waits for a server."""
     prefect_env()
-    reported = through_prefect()
+    from lowtide.settings import Settings
+
+    settings = Settings()
+    reported = through_prefect(settings)
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from lowtide import progress as progress_channel
@@ -67,9 +70,8 @@ def with_progress(call, flow_module: str, warm_ups=()):  # noqa: ANN001, ANN202 
         try:
             if not reported:
                 from lowtide.orchestration import in_process
-                from lowtide.settings import Settings
 
-                with in_process(Settings().stage_timings), _terminate_as_interrupt():
+                with in_process(settings.stage_timings), _terminate_as_interrupt():
                     return call()
             from lowtide.prefect_server import start_tied_server
 
