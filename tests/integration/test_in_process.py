@@ -107,6 +107,9 @@ def test_a_key_in_a_secret_block_is_read_through_a_tied_server(
     home = tmp_path / "prefect-home"
     base = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "PREFECT_API"))}
     base["PREFECT_HOME"] = str(home)
+    # Prefect's own server migrates a new database first (~20 s here, its default limit): a
+    # bound against a hang, not a speed check
+    base["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "300"
     saved = subprocess.run(
         [sys.executable, "-c", _SAVE_BLOCK, "openai-key", "sk-from-block"],
         env=base,
