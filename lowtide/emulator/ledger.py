@@ -27,6 +27,8 @@ class Execution:
     output_tokens: int
     at: float
     billed: bool = True
+    # which server of an emulated vLLM pool ran it ("0", "1", ...); None for the hosted APIs
+    server: str | None = None
 
 
 class BillingLedger:
@@ -49,6 +51,7 @@ class BillingLedger:
         custom_id: str | None = None,
         at: float | None = None,
         billed: bool = True,
+        server: str | None = None,
     ) -> Execution:
         entry = Execution(
             provider=provider,
@@ -61,6 +64,7 @@ class BillingLedger:
             output_tokens=int(output_tokens),
             at=time.time() if at is None else float(at),
             billed=billed,
+            server=server,
         )
         with self._lock:
             self._entries.append(entry)

@@ -123,6 +123,7 @@ def create_vllm_app(
     ledger: BillingLedger | None = None,
     api_key: str | None = None,
     engine_label: str = "0",
+    server_label: str | None = None,
     model_version: int = 1,
     malformed_rate: float = 0.0,
     seed: int = 0,
@@ -134,7 +135,8 @@ def create_vllm_app(
     The engine lives in `app.state.engine` and runs on the server's event loop (its scheduler
     starts with the first request). `malformed_rate`, `seed` and `model_version` go to the
     emulated model; `enable_prompt_tokens_details` adds `usage.prompt_tokens_details.
-    cached_tokens` as vLLM's flag of that name does."""
+    cached_tokens` as vLLM's flag of that name does. `server_label` names this server in the
+    ledger's entries (a pool's index), so a test can tell which server ran a request."""
     config = config or EngineConfig()
     engine = Engine(config)
     created = int(time.time())
@@ -214,6 +216,7 @@ def create_vllm_app(
                 cached_input_tokens=result.cached_tokens,
                 output_tokens=completion_tokens,
                 custom_id=request.headers.get(CUSTOM_ID_HEADER),
+                server=server_label,
             )
         details = {"cached_tokens": result.cached_tokens} if enable_prompt_tokens_details else None
         return json_response(

@@ -109,7 +109,7 @@ class EnginePool:
         self,
         servers: list[_ThreadedServer],
         urls: list[str],
-        make_app: Callable[[], FastAPI] | None = None,
+        make_app: Callable[[int], FastAPI] | None = None,
     ) -> None:
         self._servers = servers
         self.urls = urls
@@ -144,7 +144,7 @@ class EnginePool:
             raise RuntimeError("this pool was not built by start_engines; it cannot restart")
         old = self._servers[i]
         port = int(self.urls[i].removesuffix("/v1").rsplit(":", 1)[1])
-        server = _ThreadedServer(self._make_app(), old.host, port)
+        server = _ThreadedServer(self._make_app(i), old.host, port)
         server.start()
         self._servers[i] = server
         self.apps[i] = server.app
@@ -193,17 +193,18 @@ def start_engines(
     servers: list[_ThreadedServer] = []
     urls: list[str] = []
 
-    def make_app() -> FastAPI:
+    def make_app(index: int) -> FastAPI:
         return create_vllm_app(
             config or EngineConfig(),
             served_model_name=served_model_name,
             ledger=ledger,
             api_key=api_key,
+            server_label=str(index),
         )
 
     try:
         for i in range(n):
-            server = _ThreadedServer(make_app(), host, ports[i] if ports else 0)
+            server = _ThreadedServer(make_app(i), host, ports[i] if ports else 0)
             servers.append(server)
             port = server.start()
             urls.append(f"http://{host}:{port}/v1")

@@ -61,7 +61,17 @@ def test_pool_run_survives_an_engine_stopped_midway(tmp_path: Path, monkeypatch)
     assert s["failed"] == 0
     counts = ledger.count_by_custom_id()
     assert len(counts) == s["unique_requests"]
-    assert set(counts.values()) == {1}, "a request was answered twice"
+    # The only request that may run twice is one the stopped server had executed while its
+    # answer was still on the way: the crash resets the connection, the answer never arrives,
+    # and sending it again is right. Anything answered by a live server ran once.
+    servers_by_id: dict[str, list[str | None]] = {}
+    for e in ledger.executions():
+        servers_by_id.setdefault(e["custom_id"], []).append(e["server"])
+    for custom_id, servers in servers_by_id.items():
+        assert servers[:-1] == ["1"] * (len(servers) - 1), (
+            f"{custom_id} was answered by {servers}: a request was answered twice"
+        )
+        assert len(servers) == 1 or servers[-1] != "1"
     store = Store(os.environ["LOWTIDE_STATE"])
     cost = query(
         store, "SELECT cost_usd FROM costs WHERE run_id = ? AND level = 'run'", [s["run_id"]]
