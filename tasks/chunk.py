@@ -67,6 +67,27 @@ def budget_key(max_tokens: int, overlap: int, encoding: str) -> str:
     return f"{cut_recipe()}:{encoding}:{max_tokens}:{overlap}"
 
 
+_SLICE_ROWS = 20_000
+"""Long texts handled at a time: their Python strings, and each text repeated once per piece
+before it is sliced, are held for one slice, not for every long text of the run."""
+
+
+def _pieces(with_cuts: pl.DataFrame) -> pl.DataFrame:
+    """Long rows with their cuts (`_cut_starts`, `_cut_lengths`, `_cut_tokens` lists) → one
+    row per piece, its text the piece's slice."""
+    return (
+        with_cuts.with_columns(
+            pl.col("_cut_starts").list.len().cast(pl.Int32).alias("n_chunks"),
+            pl.int_ranges(0, pl.col("_cut_starts").list.len(), dtype=pl.Int32).alias("chunk_index"),
+        )
+        .explode("_cut_starts", "_cut_lengths", "_cut_tokens", "chunk_index")
+        .with_columns(
+            pl.col("text").str.slice(pl.col("_cut_starts"), pl.col("_cut_lengths")),
+            pl.col("_cut_tokens").alias("unit_tokens"),
+        )
+    )
+
+
 def long_text_cuts(
     texts: pl.Series,
     *,
@@ -88,10 +109,13 @@ def long_text_cuts(
     # Series per text)
     owner: list[int] = []
     pieces: list[tuple[int, int, int]] = []
-    for i, text in enumerate(todo["text"].to_list()):
-        spans = split_spans(text, max_tokens, overlap, encoding)
-        owner.extend([i] * len(spans))
-        pieces.extend(spans)
+    texts = todo["text"]
+    for offset in range(0, texts.len(), _SLICE_ROWS):
+        # a slice at a time: a million long texts as Python strings would double their memory
+        for i, text in enumerate(texts.slice(offset, _SLICE_ROWS).to_list(), start=offset):
+            spans = split_spans(text, max_tokens, overlap, encoding)
+            owner.extend([i] * len(spans))
+            pieces.extend(spans)
     flat = pl.DataFrame(pieces, schema=["starts", "lengths", "tokens"], orient="row").cast(pl.Int32)
     fresh = (
         flat.with_columns(pl.Series("i", owner, dtype=pl.UInt32))
@@ -143,21 +167,14 @@ def chunk_units(
             cuts = cuts.with_columns(pl.all().list.head(1))
         # private names: an input column may be called `starts` or `tokens`
         cuts = cuts.select(pl.all().name.prefix("_cut_"))
-        exploded = (
-            pl.concat([long_rows, cuts], how="horizontal")
-            .with_columns(
-                pl.col("_cut_starts").list.len().cast(pl.Int32).alias("n_chunks"),
-                pl.int_ranges(0, pl.col("_cut_starts").list.len(), dtype=pl.Int32).alias(
-                    "chunk_index"
-                ),
-            )
-            .explode("_cut_starts", "_cut_lengths", "_cut_tokens", "chunk_index")
-            .with_columns(
-                pl.col("text").str.slice(pl.col("_cut_starts"), pl.col("_cut_lengths")),
-                pl.col("_cut_tokens").alias("unit_tokens"),
-            )
-        )
-        short = pl.concat([short, exploded.select(short.columns)], how="vertical")
+        with_cuts = pl.concat([long_rows, cuts], how="horizontal")
+        del long_rows, cuts
+        pieces = [
+            _pieces(with_cuts.slice(offset, _SLICE_ROWS)).select(short.columns)
+            for offset in range(0, with_cuts.height, _SLICE_ROWS)
+        ]
+        del with_cuts
+        short = pl.concat([short, *pieces], how="vertical")
     return short.with_columns(
         (pl.col("source_id") + "#" + pl.col("chunk_index").cast(pl.String)).alias("unit_id"),
         pl.lit(kind).alias("kind"),

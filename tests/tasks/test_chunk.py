@@ -224,6 +224,31 @@ def test_chunk_units_table() -> None:
     assert set(units["channel"].to_list()) == {"x", "y", "z"}  # extra columns travel with units
 
 
+def test_long_texts_cut_a_slice_at_a_time_give_the_same_units(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Long texts are tokenized and cut in slices (to bound memory at a million rows); the
+    units, their order and every column are what one pass over all of them gives."""
+    words = ["word", "tick", "tock", "ünï", "数据", "emoji 🙂"]
+    rows = pl.DataFrame(
+        {
+            "source_id": [f"r{i}" for i in range(23)],
+            "text": [
+                "short" if i % 5 == 0 else f"{words[i % len(words)]} {i} " * (60 + 7 * i)
+                for i in range(23)
+            ],
+            "channel": [f"c{i}" for i in range(23)],
+        }
+    )
+    whole = chunk_units(rows, max_tokens=64, overlap=4)
+    monkeypatch.setattr(chunk, "_SLICE_ROWS", 3)
+    sliced = chunk_units(rows, max_tokens=64, overlap=4)
+    assert sliced.equals(whole)
+    assert whole["n_chunks"].max() > 3 and whole.height > rows.height  # long texts were cut
+    for source_id, pieces in whole.group_by("source_id", maintain_order=True):
+        assert pieces["chunk_index"].to_list() == list(range(pieces.height)), source_id
+
+
 def test_truncate_keeps_only_the_first_piece() -> None:
     rows = pl.DataFrame({"source_id": ["b"], "text": ["word " * 400]})
     units = chunk_units(rows, max_tokens=100, mode="truncate")
