@@ -33,6 +33,7 @@ BATCH_ROW_SCHEMA = {
 
 _SENTINEL = "\x00lowtide-user-message\x00"
 _ESTIMATE_SAMPLE = 2_000
+_SLICE_ROWS = 50_000
 
 
 def fixed_messages(job: JobSpec) -> list[dict[str, str]]:
@@ -107,11 +108,13 @@ def line_bytes(job: JobSpec, requests: pl.DataFrame) -> pl.Series:
     """Size of each request's line in bytes, without building the lines."""
     head, mid, tail = line_template(job)
     fixed = len((head + mid + tail).encode()) + 2
-    return requests.select(
-        (pl.col("custom_id").str.len_bytes() + _escaped("user").str.len_bytes() + fixed).alias(
-            "bytes"
-        )
-    )["bytes"]
+    size = pl.col("custom_id").str.len_bytes() + _escaped("user").str.len_bytes() + fixed
+    # a slice at a time: the escaped messages are a copy of every text, held only to be measured
+    parts = [
+        requests.slice(offset, _SLICE_ROWS).select(size.alias("bytes"))["bytes"]
+        for offset in range(0, max(requests.height, 1), _SLICE_ROWS)
+    ]
+    return pl.concat(parts)
 
 
 def estimate_input_tokens(job: JobSpec, requests: pl.DataFrame) -> pl.Series:

@@ -56,8 +56,23 @@ def normalise(expr: pl.Expr) -> pl.Expr:
     )
 
 
+_SLICE_ROWS = 50_000
+
+
 def request_keys(units: pl.DataFrame, template: str, fingerprint: str) -> pl.DataFrame:
     """Add `user` (the rendered message), `request_key` and `custom_id` to every unit."""
+    if units.height <= _SLICE_ROWS:
+        return _request_keys(units, template, fingerprint)
+    # a slice at a time: the normalised copy of every message is held only to be hashed
+    return pl.concat(
+        [
+            _request_keys(units.slice(offset, _SLICE_ROWS), template, fingerprint)
+            for offset in range(0, units.height, _SLICE_ROWS)
+        ]
+    )
+
+
+def _request_keys(units: pl.DataFrame, template: str, fingerprint: str) -> pl.DataFrame:
     framed = units.with_columns(render_user(units, template).alias("user")).with_columns(
         (pl.lit(fingerprint + "\x1f") + normalise(pl.col("user"))).alias("_material")
     )

@@ -46,6 +46,26 @@ def frame(
     return result
 
 
+INSERT_SLICE_ROWS = 50_000
+"""Rows handed to DuckDB per statement by `insert_in_slices`."""
+
+
+def insert_in_slices(
+    con: duckdb.DuckDBPyConnection,
+    rows: pl.DataFrame,
+    sql: str,
+    params: list[Any] | None = None,
+) -> None:
+    """Run `sql`, which reads the view `incoming`, once per slice of `rows`, inside the
+    caller's transaction. Handing a million long texts to DuckDB at once converts them all to
+    Arrow and buffers the whole insert: ~6x their size in memory, where a slice costs its own."""
+    for offset in range(0, max(rows.height, 1), INSERT_SLICE_ROWS):
+        # each register replaces the last slice's view (an aborted transaction refuses even
+        # an unregister, which would hide the error that aborted it)
+        con.register("incoming", rows.slice(offset, INSERT_SLICE_ROWS))
+        con.execute(sql, params or [])
+
+
 class UnknownColumnError(LowtideError):
     """A store method was asked to write a column its table does not have (a programming error
     caught before any SQL is built from the name)."""

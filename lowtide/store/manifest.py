@@ -13,7 +13,7 @@ import orjson
 import polars as pl
 
 from lowtide.request_lines import RequestLines
-from lowtide.store._db import Database, frame
+from lowtide.store._db import Database, frame, insert_in_slices
 from lowtide.store.runs import now as _sent_now
 from lowtide.vocabulary import (
     ANSWERED,
@@ -129,21 +129,22 @@ class ManifestStore(Database):
         self, run_id: str, requests: pl.DataFrame, batches: pl.DataFrame, members: pl.DataFrame
     ) -> None:
         """Request lines and pending batch rows, committed together before anything is sent."""
+        optional = "".join(
+            f", {c}"
+            for c in ("line", "user_message", "template_id", "reask_of")
+            if c in requests.columns
+        )
         with self._transaction() as con:
-            con.register("req", requests)
-            con.register("bat", batches)
-            con.register("mem", members)
-            optional = "".join(
-                f", {c}"
-                for c in ("line", "user_message", "template_id", "reask_of")
-                if c in requests.columns
-            )
-            con.execute(
+            insert_in_slices(
+                con,
+                requests,
                 "INSERT OR IGNORE INTO requests BY NAME SELECT custom_id, request_key, job, model, "
                 f"?::VARCHAR AS first_run_id, est_input_tokens, now() AS created_at{optional} "
-                "FROM req",
+                "FROM incoming",
                 [run_id],
             )
+            con.register("bat", batches)
+            con.register("mem", members)
             con.execute(
                 "INSERT INTO batches BY NAME SELECT batch_id, ?::VARCHAR AS run_id, shard, attempt, "
                 "backend, ? AS status, n_requests, n_bytes, false AS collected, "

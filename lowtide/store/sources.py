@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import duckdb
 
-from lowtide.store._db import Database
+from lowtide.store._db import Database, insert_in_slices
 from lowtide.store._sql import ident, literal
 
 if TYPE_CHECKING:
@@ -158,9 +158,12 @@ class SourcesStore(Database):
             con.execute(
                 f"INSERT INTO {MEMBERS} SELECT ?, ?, source_id, {key} FROM incoming", [view, run_id]
             )
-            con.execute(
+            # the texts themselves a slice at a time (ids are unique, so slices never overlap)
+            insert_in_slices(
+                con,
+                rows,
                 f"INSERT INTO {content} BY NAME SELECT n.* FROM "
                 f"(SELECT {key} AS lowtide_row_key, * FROM incoming) n "
                 f"ANTI JOIN {content} s ON s.source_id = n.source_id "
-                "AND s.lowtide_row_key = n.lowtide_row_key"
+                "AND s.lowtide_row_key = n.lowtide_row_key",
             )

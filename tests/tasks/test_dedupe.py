@@ -3,11 +3,13 @@ from __future__ import annotations
 import re
 
 import polars as pl
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lowtide.backends import EMULATOR_ENGINE, backend_entry
 from lowtide.jobspec import load_job
+from tasks import dedupe
 from tasks.dedupe import key_units, request_keys, unique_requests
 from tests.conftest import SAMPLE_JOB
 
@@ -42,6 +44,19 @@ def test_case_and_whitespace_duplicates_share_one_request() -> None:
     uniq = unique_requests(keyed)
     assert uniq.height == 2
     assert uniq["user"][0] == "Channel: email\n\nRefund  please"  # the first row's own text is sent
+
+
+def test_keys_made_a_slice_at_a_time_are_the_keys_of_one_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    units = _units(
+        ["Hello", "hello ", "Other", None, "ünï 数据", "x" * 500, "Hello"],
+        channels=["email", "email", "chat", "chat", None, "email", "chat"],
+    )
+    whole = request_keys(units, TEMPLATE, "fp")
+    monkeypatch.setattr(dedupe, "_SLICE_ROWS", 2)
+    assert request_keys(units, TEMPLATE, "fp").equals(whole)
+    assert whole["custom_id"][0] == whole["custom_id"][1] != whole["custom_id"][6]
 
 
 def test_template_columns_and_prompt_are_part_of_the_key() -> None:
