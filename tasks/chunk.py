@@ -109,10 +109,10 @@ def long_text_cuts(
     # Series per text)
     owner: list[int] = []
     pieces: list[tuple[int, int, int]] = []
-    texts = todo["text"]
-    for offset in range(0, texts.len(), _SLICE_ROWS):
+    todo_texts = todo["text"]
+    for offset in range(0, todo_texts.len(), _SLICE_ROWS):
         # a slice at a time: a million long texts as Python strings would double their memory
-        for i, text in enumerate(texts.slice(offset, _SLICE_ROWS).to_list(), start=offset):
+        for i, text in enumerate(todo_texts.slice(offset, _SLICE_ROWS).to_list(), start=offset):
             spans = split_spans(text, max_tokens, overlap, encoding)
             owner.extend([i] * len(spans))
             pieces.extend(spans)

@@ -67,11 +67,13 @@ def test_pool_run_survives_an_engine_stopped_midway(tmp_path: Path, monkeypatch)
     servers_by_id: dict[str, list[str | None]] = {}
     for e in ledger.executions():
         servers_by_id.setdefault(e["custom_id"], []).append(e["server"])
-    for custom_id, servers in servers_by_id.items():
-        assert servers[:-1] == ["1"] * (len(servers) - 1), (
-            f"{custom_id} was answered by {servers}: a request was answered twice"
+    twice = {c: servers for c, servers in servers_by_id.items() if len(servers) > 1}
+    for custom_id, servers in twice.items():
+        assert len(servers) == 2 and servers[0] == "1" != servers[1], (
+            f"{custom_id} was answered by servers {servers}: a request was answered twice"
         )
-        assert len(servers) == 1 or servers[-1] != "1"
+    # lost answers are of requests that finished as it stopped: at most one engine step's worth
+    assert len(twice) <= EngineConfig().max_num_seqs, f"{len(twice)} requests sent twice"
     store = Store(os.environ["LOWTIDE_STATE"])
     cost = query(
         store, "SELECT cost_usd FROM costs WHERE run_id = ? AND level = 'run'", [s["run_id"]]

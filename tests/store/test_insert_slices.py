@@ -59,6 +59,8 @@ def test_sliced_inserts_store_what_one_insert_would(
     assert scalar(store, 'SELECT count(*) FROM "src_x-rows"') == 8  # 5 + 3 changed texts
     r2 = query(store, "SELECT source_id, body FROM src_x WHERE run_id = 'r2' ORDER BY 1")
     assert r2.rows() == [("s0", "z"), ("s1", "z"), ("s2", "z")]
+    r1 = query(store, "SELECT source_id, body FROM src_x WHERE run_id = 'r1' ORDER BY 1")
+    assert r1.rows() == list(zip(rows["source_id"], rows["body"], strict=True))
 
 
 def test_a_failing_slice_leaves_nothing_of_the_manifest(

@@ -6,6 +6,7 @@ import pytest
 
 from lowtide.jobspec import load_job
 from lowtide.store import Store
+from tasks import assemble
 from tasks.assemble import (
     cut_shards,
     line_bytes,
@@ -68,8 +69,10 @@ def test_lines_are_openai_batch_requests_with_a_fixed_prefix(job, tmp_path) -> N
     assert batches.height == 1
 
 
-def test_line_sizes_are_known_without_building_lines(job) -> None:
-    reqs = _requests(['He said "hi"\n\tthen left 🙂', "Zoë", "x" * 500])
+@pytest.mark.parametrize("slice_rows", [50_000, 2])  # measured a slice at a time, or not
+def test_line_sizes_are_known_without_building_lines(job, monkeypatch, slice_rows) -> None:
+    monkeypatch.setattr(assemble, "_SLICE_ROWS", slice_rows)
+    reqs = _requests(['He said "hi"\n\tthen left 🙂', "Zoë", "x" * 500, "", "\x01 ctl"])
     built = openai_lines(job, reqs)
     assert line_bytes(job, reqs).to_list() == built.str.len_bytes().to_list()
     contents = [orjson.loads(b)["body"]["messages"][-1]["content"] for b in built]
