@@ -13,10 +13,13 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lowtide import render
 from lowtide.backends import backend_entry
+
+if TYPE_CHECKING:
+    from lowtide.settings import Settings
 
 PREFECT_HOME = Path(".lowtide/prefect")  # where Prefect keeps its files unless PREFECT_HOME says
 
@@ -27,7 +30,7 @@ def prefect_env() -> None:
     prefect_defaults(PREFECT_HOME)
 
 
-def through_prefect(settings: Any) -> bool:
+def through_prefect(settings: Settings) -> bool:
     """Whether a CLI flow call goes through a Prefect server: a configured one, or the
     temporary one when LOWTIDE_PREFECT_SERVER=temporary. Otherwise no UI would ever show the
     run, and the flow runs in this process without Prefect (lowtide/orchestration.py)."""

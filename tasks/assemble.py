@@ -19,6 +19,7 @@ from lowtide.errors import BudgetExceededError
 from lowtide.jobspec import JobSpec
 from lowtide.orchestration import task
 from lowtide.runlog import stage_log
+from lowtide.slices import by_slices
 from lowtide.tokens import count_tokens
 
 BATCH_ROW_SCHEMA = {
@@ -109,12 +110,8 @@ def line_bytes(job: JobSpec, requests: pl.DataFrame) -> pl.Series:
     head, mid, tail = line_template(job)
     fixed = len((head + mid + tail).encode()) + 2
     size = pl.col("custom_id").str.len_bytes() + _escaped("user").str.len_bytes() + fixed
-    # a slice at a time: the escaped messages are a copy of every text, held only to be measured
-    parts = [
-        requests.slice(offset, _SLICE_ROWS).select(size.alias("bytes"))["bytes"]
-        for offset in range(0, max(requests.height, 1), _SLICE_ROWS)
-    ]
-    return pl.concat(parts)
+    # the escaped messages are a copy of every text, held only to be measured
+    return by_slices(requests, _SLICE_ROWS, lambda part: part.select(size.alias("bytes"))["bytes"])
 
 
 def estimate_input_tokens(job: JobSpec, requests: pl.DataFrame) -> pl.Series:

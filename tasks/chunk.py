@@ -19,6 +19,7 @@ from lowtide.context import RunContext
 from lowtide.jobspec import JobSpec
 from lowtide.orchestration import task
 from lowtide.runlog import stage_log
+from lowtide.slices import by_slices
 from lowtide.splitting import split_spans
 from lowtide.store.chunk_cuts import CUTS_SCHEMA
 from lowtide.store.compute import md5_hex
@@ -169,12 +170,9 @@ def chunk_units(
         cuts = cuts.select(pl.all().name.prefix("_cut_"))
         with_cuts = pl.concat([long_rows, cuts], how="horizontal")
         del long_rows, cuts
-        pieces = [
-            _pieces(with_cuts.slice(offset, _SLICE_ROWS)).select(short.columns)
-            for offset in range(0, with_cuts.height, _SLICE_ROWS)
-        ]
+        pieces = by_slices(with_cuts, _SLICE_ROWS, lambda part: _pieces(part).select(short.columns))
         del with_cuts
-        short = pl.concat([short, *pieces], how="vertical")
+        short = pl.concat([short, pieces], how="vertical")
     return short.with_columns(
         (pl.col("source_id") + "#" + pl.col("chunk_index").cast(pl.String)).alias("unit_id"),
         pl.lit(kind).alias("kind"),

@@ -22,6 +22,7 @@ from lowtide.crashpoints import crash_point
 from lowtide.jobspec import JobSpec
 from lowtide.orchestration import task
 from lowtide.runlog import stage_log
+from lowtide.slices import by_slices
 from lowtide.store import Store
 from lowtide.store.compute import sha256_hex
 from tasks.load import PRIORITY
@@ -61,15 +62,8 @@ _SLICE_ROWS = 50_000
 
 def request_keys(units: pl.DataFrame, template: str, fingerprint: str) -> pl.DataFrame:
     """Add `user` (the rendered message), `request_key` and `custom_id` to every unit."""
-    if units.height <= _SLICE_ROWS:
-        return _request_keys(units, template, fingerprint)
-    # a slice at a time: the normalised copy of every message is held only to be hashed
-    return pl.concat(
-        [
-            _request_keys(units.slice(offset, _SLICE_ROWS), template, fingerprint)
-            for offset in range(0, units.height, _SLICE_ROWS)
-        ]
-    )
+    # the normalised copy of every message is held only to be hashed
+    return by_slices(units, _SLICE_ROWS, lambda part: _request_keys(part, template, fingerprint))
 
 
 def _request_keys(units: pl.DataFrame, template: str, fingerprint: str) -> pl.DataFrame:
