@@ -122,6 +122,20 @@ class StateTooNewError(UserError):
     """The state file was written by a newer lowtide."""
 
 
+class StateMemoryError(LowtideError):
+    """DuckDB needed more memory for the state file than it may use (LOWTIDE_STATE_MEMORY_MB).
+    What ran out was rolled back; what earlier steps committed stays, so a rerun resumes."""
+
+    def __init__(self, path: Path | str, limit: str, detail: str):
+        self.path = str(path)
+        first = detail.strip().splitlines()[0] if detail.strip() else "out of memory"
+        super().__init__(
+            f"state file {path}: DuckDB ran out of the memory it may use for it ({limit}): "
+            f"{first}. The statement was rolled back; set LOWTIDE_STATE_MEMORY_MB to more MiB "
+            "(0: DuckDB's default, 80% of RAM) and run the command again."
+        )
+
+
 class RunNotFoundError(UserError, LookupError):
     """A command named a run (or job) the state file does not have."""
 

@@ -117,6 +117,21 @@ def _describe(err: ValidationError, given: dict[str, object]) -> str:
     return "; ".join(parts)
 
 
+def state_memory_mb() -> int | None:
+    """LOWTIDE_STATE_MEMORY_MB: the memory (MiB) DuckDB may keep for a state file; unset, the
+    store sizes it (lowtide.store.memory); 0, DuckDB's own default. Read from the environment
+    alone, when the store starts a file's DuckDB instance: every process that opens a state file
+    gets there, and a bad value of an unrelated setting must not stop it."""
+    raw = os.environ.get("LOWTIDE_STATE_MEMORY_MB", "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise SettingsError(
+            f"LOWTIDE_STATE_MEMORY_MB={raw!r}: give a whole number of MiB (0 for DuckDB's default)"
+        )
+    return int(raw)
+
+
 def crash_point_armed() -> str | None:
     """The armed crash point, read fresh (a test arms it in a subprocess's environment)."""
     return os.environ.get("LOWTIDE_CRASH_AT")

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import duckdb
 
-from lowtide.errors import LowtideError, StateLockedError
-from lowtide.store import migrations
+from lowtide.errors import LowtideError, StateLockedError, StateMemoryError
+from lowtide.settings import state_memory_mb
+from lowtide.store import memory, migrations
 from lowtide.store._sql import ident, literal
 
 log = logging.getLogger(__name__)
@@ -97,8 +98,9 @@ class Database:
             first = self._holds == 1
         try:
             if first:
-                # this use keeps the file attached, so every other call's open is cheap
-                with self._connect():
+                # this use keeps the file attached, so every other call's open is cheap; the
+                # calls inside name their own errors (anything else may run in the stretch)
+                with self._connect(own_errors_only=True):
                     yield
             else:
                 yield
@@ -107,7 +109,7 @@ class Database:
                 self._holds -= 1
 
     @contextmanager
-    def _connect(self) -> Iterator[duckdb.DuckDBPyConnection]:
+    def _connect(self, own_errors_only: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         attached = _attached_file(self.path)
         attached.acquire(self.lock_timeout_s)
@@ -123,6 +125,10 @@ class Database:
                             migrations.apply(con)
                             self._migrated = True
                 yield con
+            except duckdb.OutOfMemoryException as e:
+                if own_errors_only or attached.memory is None:
+                    raise
+                raise StateMemoryError(self.path, attached.memory.said, str(e)) from e
             finally:
                 con.close()
         finally:
@@ -138,6 +144,13 @@ class Database:
                 con.execute("ROLLBACK")
                 raise
             con.execute("COMMIT")
+
+    def _make_room(self, con: duckdb.DuckDBPyConnection, keyed_rows: int) -> None:
+        """Before inserting `keyed_rows` rows into tables with a primary key (their index
+        entries need memory the cap must leave them)."""
+        cap = _memory_cap(self.path)
+        if cap is not None:
+            cap.make_room(con, keyed_rows)
 
     def _query(self, sql: str, params: list[Any] | dict[str, Any] | None = None) -> pl.DataFrame:
         with self._connect() as con:
@@ -179,6 +192,13 @@ STATE_ALIAS = "lowtide_state"
 """The name the state file is attached under (what `current_database()` says inside the store)."""
 
 
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
 class _AttachedFile:
     """One state file attached to an in-memory DuckDB instance of this process while anyone
     uses it. Each user gets a cursor of its own (one connection shared across threads fails with
@@ -193,6 +213,7 @@ class _AttachedFile:
         self._users = 0
         self._pending = 0  # handed out, not acquired yet (guarded by `_files_lock`)
         self._instance: duckdb.DuckDBPyConnection | None = None
+        self.memory: memory.MemoryCap | None = None  # with the instance
 
     def acquire(self, lock_timeout_s: float) -> None:
         """Become a user, attaching the file if nobody in the process uses it; while another
@@ -242,10 +263,22 @@ class _AttachedFile:
 
     def _attach(self) -> None:
         if self._instance is None:
+            override = state_memory_mb()  # before the instance: a bad value leaves nothing
             # spills of big sorts and joins go beside the state file, as a file of its own would
             # put them, never into the working directory
-            self._instance = duckdb.connect(config={"temp_directory": f"{self.path}.tmp"})
+            instance = duckdb.connect(config={"temp_directory": f"{self.path}.tmp"})
+            self.memory = memory.MemoryCap(override, instance)
+            self._instance = instance
+        assert self.memory is not None
         self._instance.execute(f"ATTACH {literal(str(self.path))} AS {STATE_ALIAS}")
+        try:
+            # the cap follows the file's keyed rows, which every night adds to
+            self.memory.apply(self._instance, STATE_ALIAS, _size(self.path))
+        except BaseException:
+            # attached with no user would hold the file (and its lock) for good
+            with contextlib.suppress(duckdb.Error):
+                self._instance.execute(f"DETACH {STATE_ALIAS}")
+            raise
 
     def _drop_instance(self) -> None:
         instance, self._instance = self._instance, None
@@ -273,6 +306,13 @@ session) closes the least recently used idle ones, so their memory does not add 
 
 _files_lock = threading.Lock()
 _files: dict[Path, _AttachedFile] = {}  # least recently used first
+
+
+def _memory_cap(path: Path) -> memory.MemoryCap | None:
+    """The memory cap of `path`'s instance (None before its first attach)."""
+    with _files_lock:
+        attached = _files.get(path.resolve())
+    return attached.memory if attached is not None else None
 
 
 def _attached_file(path: Path) -> _AttachedFile:

@@ -41,6 +41,7 @@ class ChunkCutsStore(Database):
         if not cuts.height:
             return
         with self._transaction() as con:
+            self._make_room(con, cuts.height)
             con.execute("DELETE FROM chunk_cuts WHERE NOT starts_with(budget, ?)", [recipe + ":"])
             con.register("incoming", cuts.unique(subset="text_md5"))
             con.execute(

@@ -73,6 +73,7 @@ class ManifestStore(Database):
         """The run's units; with `carried_from`, also that run's row units of the input rows in
         `carried` (source_id), copied as cache hits (`CarryStore.unchanged_answered_rows`)."""
         with self._transaction() as con:
+            self._make_room(con, units.height + (carried.height if carried is not None else 0))
             con.register("incoming", units)
             con.execute("DELETE FROM units WHERE run_id = ?", [run_id])
             con.execute(
@@ -135,6 +136,7 @@ class ManifestStore(Database):
             if c in requests.columns
         )
         with self._transaction() as con:
+            self._make_room(con, requests.height + members.height)
             insert_in_slices(
                 con,
                 requests,

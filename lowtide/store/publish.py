@@ -17,7 +17,7 @@ from typing import Any
 
 import duckdb
 
-from lowtide.errors import PublishError
+from lowtide.errors import PublishError, StateMemoryError
 from lowtide.output_fields import default_reduce, json_type
 from lowtide.store._sql import ident, json_path, literal, literal_list
 from lowtide.store.publish_delta import FREE_AT_MOST, refresh_tables
@@ -347,7 +347,7 @@ class PublishingStore(RunsStore):
             # a log someone left beside the previous file belongs to it, not to this one (DuckDB
             # would refuse to open the new file with it)
             _wal(db_path).unlink(missing_ok=True)
-        except (duckdb.Error, OSError) as e:
+        except (duckdb.Error, OSError, StateMemoryError) as e:  # the last says what to raise
             _remove(tmp)
             raise PublishError(
                 f"{db_path}: cannot write the published file: {' '.join(str(e).split())}; "

@@ -28,6 +28,7 @@ class ResultsStore(Database):
         if results.is_empty():
             return
         with self._transaction() as con:
+            self._make_room(con, results.height)
             con.register("incoming", results)
             con.execute(
                 """
