@@ -85,17 +85,27 @@ def _request_keys(units: pl.DataFrame, template: str, fingerprint: str) -> pl.Da
 def unique_requests(keyed: pl.DataFrame) -> pl.DataFrame:
     """One row per request key, carrying the first unit's text (input order is kept); a request
     is urgent when any unit that shares it is."""
-    sendable = keyed.filter(pl.col("text").str.len_bytes() > 0)
     urgent = (
         pl.col(PRIORITY).fill_null(False).any().over("custom_id")
         if PRIORITY in keyed.columns
         else pl.lit(False)
     )
-    return (
-        sendable.with_columns(urgent.alias("urgent"))
+    # Which rows are first is decided on the narrow key columns; the messages of those rows
+    # are then copied once (filtering the whole frame first copied every text and message).
+    firsts = (
+        keyed.select(
+            pl.int_range(pl.len()).alias("_row"),
+            "custom_id",
+            *([PRIORITY] if PRIORITY in keyed.columns else []),
+            (pl.col("text").str.len_bytes() > 0).alias("_sendable"),
+        )
+        .filter("_sendable")
+        .with_columns(urgent.alias("urgent"))
         .unique(subset="custom_id", keep="first", maintain_order=True)
-        .select("custom_id", "request_key", "user", "unit_tokens", "urgent")
     )
+    return keyed.select(
+        pl.col("custom_id", "request_key", "user", "unit_tokens").gather(firsts["_row"])
+    ).with_columns(firsts["urgent"])
 
 
 def answer_family(job: JobSpec) -> str:
@@ -184,13 +194,18 @@ def dedupe_task(ctx: RunContext, run_id: str, chunked: dict) -> dict:
     if store.require_run(run_id)["route_step"] is not None:
         keyed = carry_route_answers(store, job, keyed)
     uniq = unique_requests(keyed)
-    known = store.known_outcomes(uniq["custom_id"])
-    uniq = uniq.join(known, on="custom_id", how="left")
-    cached = uniq.filter(pl.col("answered"))
-    to_send = uniq.filter(~pl.col("answered") & ~pl.col("in_flight"))
-    keyed = keyed.with_columns(
-        pl.col("custom_id").is_in(cached["custom_id"].implode()).alias("cache_hit")
+    # the units keep only what the store saves: their texts and messages go now (memory)
+    keyed = keyed.drop("text", "user")
+    # flags in uniq's row order, so that no message is copied to carry them
+    known = uniq.select("custom_id").join(
+        store.known_outcomes(uniq["custom_id"]), on="custom_id", how="left", maintain_order="left"
     )
+    answered, in_flight = known["answered"], known["in_flight"]
+    cached = uniq["custom_id"].filter(answered)
+    to_send = uniq.filter(~answered & ~in_flight)
+    n_unique, n_attached = uniq.height, int((~answered & in_flight).sum())
+    del uniq
+    keyed = keyed.with_columns(pl.col("custom_id").is_in(cached.implode()).alias("cache_hit"))
     carried = pl.read_parquet(chunked["carried"]) if chunked.get("carried") else None
     store.save_units(run_id, keyed, chunked.get("carried_from"), carried)
     crash_point("after_dedupe")
@@ -201,8 +216,8 @@ def dedupe_task(ctx: RunContext, run_id: str, chunked: dict) -> dict:
         "dedupe",
         "%d units → %d unique requests, %d answered by earlier runs, %d to send, in %.1f s",
         keyed.height,
-        uniq.height,
-        cached.height,
+        n_unique,
+        cached.len(),
         to_send.height,
         time.perf_counter() - started,
     )
@@ -210,7 +225,7 @@ def dedupe_task(ctx: RunContext, run_id: str, chunked: dict) -> dict:
         "to_send": str(path),
         "unique_requests": counts["unique_requests"],
         "cache_hits": counts["cache_hits"],
-        "attached": uniq.filter(~pl.col("answered") & pl.col("in_flight")).height,
+        "attached": n_attached,
         "n_to_send": to_send.height,
         "row_units": counts["row_units"],
     }
