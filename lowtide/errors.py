@@ -128,11 +128,12 @@ class StateMemoryError(LowtideError):
 
     def __init__(self, path: Path | str, limit: str, detail: str):
         self.path = str(path)
+        self.limit = limit
         first = detail.strip().splitlines()[0] if detail.strip() else "out of memory"
         super().__init__(
             f"state file {path}: DuckDB ran out of the memory it may use for it ({limit}): "
-            f"{first}. The statement was rolled back; set LOWTIDE_STATE_MEMORY_MB to more MiB "
-            "(0: DuckDB's default, 80% of RAM) and run the command again."
+            f"{first}; what ran out was rolled back. Set LOWTIDE_STATE_MEMORY_MB to more MiB "
+            "(0: DuckDB's default, 80% of RAM) and run the command again"
         )
 
 

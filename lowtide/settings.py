@@ -125,11 +125,15 @@ def state_memory_mb() -> int | None:
     raw = os.environ.get("LOWTIDE_STATE_MEMORY_MB", "").strip()
     if not raw:
         return None
-    if not raw.isdigit():
+    try:
+        mb = int(raw)
+    except ValueError:
+        mb = -1
+    if not 0 <= mb <= 2**30:  # 2**30 MiB: a PiB, past any machine
         raise SettingsError(
             f"LOWTIDE_STATE_MEMORY_MB={raw!r}: give a whole number of MiB (0 for DuckDB's default)"
         )
-    return int(raw)
+    return mb
 
 
 def crash_point_armed() -> str | None:

@@ -112,23 +112,25 @@ class Database:
     def _connect(self, own_errors_only: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         attached = _attached_file(self.path)
-        attached.acquire(self.lock_timeout_s)
+        with _naming_memory_errors(self.path, attached):  # attaching replays the file's log
+            attached.acquire(self.lock_timeout_s)
         try:
             con = attached.cursor()
             try:
-                # Every timestamp in the state is UTC: DuckDB's now() would otherwise be the
-                # host's local time beside Python's UTC stamps (a setting of this cursor only).
-                con.execute("SET TimeZone = 'UTC'")
-                if not self._migrated:
-                    with self._migrate_lock:  # threads opening it together migrate once
-                        if not self._migrated:
-                            migrations.apply(con)
-                            self._migrated = True
-                yield con
-            except duckdb.OutOfMemoryException as e:
-                if own_errors_only or attached.memory is None:
-                    raise
-                raise StateMemoryError(self.path, attached.memory.said, str(e)) from e
+                with _naming_memory_errors(self.path, attached):
+                    # Every timestamp in the state is UTC: DuckDB's now() would otherwise be the
+                    # host's local time beside Python's UTC stamps (a setting of this cursor).
+                    con.execute("SET TimeZone = 'UTC'")
+                    if not self._migrated:
+                        with self._migrate_lock:  # threads opening it together migrate once
+                            if not self._migrated:
+                                migrations.apply(con)
+                                self._migrated = True
+                if own_errors_only:
+                    yield con
+                else:
+                    with _naming_memory_errors(self.path, attached):
+                        yield con
             finally:
                 con.close()
         finally:
@@ -190,6 +192,16 @@ class Database:
 
 STATE_ALIAS = "lowtide_state"
 """The name the state file is attached under (what `current_database()` says inside the store)."""
+
+
+@contextmanager
+def _naming_memory_errors(path: Path, attached: _AttachedFile) -> Iterator[None]:
+    """DuckDB running out of the state file's cap becomes an error naming the cap's setting."""
+    try:
+        yield
+    except duckdb.OutOfMemoryException as e:
+        said = attached.memory.said if attached.memory is not None else "DuckDB's default"
+        raise StateMemoryError(path, said, str(e)) from e
 
 
 def _size(path: Path) -> int:
@@ -267,7 +279,11 @@ class _AttachedFile:
             # spills of big sorts and joins go beside the state file, as a file of its own would
             # put them, never into the working directory
             instance = duckdb.connect(config={"temp_directory": f"{self.path}.tmp"})
-            self.memory = memory.MemoryCap(override, instance)
+            try:
+                self.memory = memory.MemoryCap(override, instance)
+            except BaseException:
+                instance.close()
+                raise
             self._instance = instance
         assert self.memory is not None
         self._instance.execute(f"ATTACH {literal(str(self.path))} AS {STATE_ALIAS}")

@@ -12,6 +12,8 @@ about to add, and never exceeds DuckDB's default.
 
 from __future__ import annotations
 
+import threading
+
 import duckdb
 
 BASE_MB = 768
@@ -50,6 +52,7 @@ class MemoryCap:
         self._default_mb = _mib(_setting(instance, "memory_limit"))
         self._keyed = 0
         self._counted_at_bytes = -1
+        self._lock = threading.Lock()  # inserts on several threads make room together
         self.said = "DuckDB's default"  # the cap as an error names it
         if override_mb:
             _set(instance, override_mb)
@@ -70,8 +73,10 @@ class MemoryCap:
         """Before inserting `rows` rows into keyed tables: their index entries need room too
         (a first night's manifest goes into an empty state)."""
         if self.override_mb is None and rows:
-            self._keyed += rows  # counted afresh at the next attach once the file has grown
-            self._size(con, self._keyed)
+            with self._lock:
+                # an upper bound (replaced rows count again) until the next count
+                self._keyed += rows
+                self._size(con, self._keyed)
 
     def _size(self, con: duckdb.DuckDBPyConnection, keyed: int) -> None:
         mb = min(sized_mb(keyed, self._threads), self._default_mb)

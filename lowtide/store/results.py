@@ -166,6 +166,7 @@ class ResultsStore(Database):
         if table not in PER_RUN_TABLES:
             raise LowtideError(f"{table!r} is not a per-run table; one of {sorted(PER_RUN_TABLES)}")
         with self._transaction() as con:
+            self._make_room(con, rows.height)  # failures: up to a row per input row
             con.execute(f"DELETE FROM {ident(table)} WHERE run_id = ?", [run_id])
             if rows.height:
                 con.register("incoming", rows)

@@ -84,6 +84,8 @@ class ShardStore(Store):
         expired and collected, and the new shard rows (`pending`, with their file URLs) and
         members are written."""
         with self._transaction() as con:
+            # the retired members' keys stay in the index until the commit, beside the new ones
+            self._make_room(con, members.height)
             con.register("retired", pl.DataFrame({"batch_id": retire}, schema={"batch_id": str}))
             con.register("bat", batches)
             con.register("mem", members)

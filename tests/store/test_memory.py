@@ -4,16 +4,18 @@ and running out of it is a clear error that leaves nothing half-written."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import duckdb
 import polars as pl
 import pytest
 
-from lowtide.errors import StateMemoryError
+from lowtide.errors import PublishError, SettingsError, StateMemoryError
 from lowtide.store import Store, memory
 from tests.sql import scalar
 from tests.store.test_insert_slices import _manifest
+from tests.store.test_publish import _seed
 
 
 def _requests(n: int, message: str = "") -> pl.DataFrame:
@@ -45,7 +47,9 @@ def _threads(store: Store) -> int:
 def test_the_cap_starts_at_the_base_and_grows_with_keyed_rows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(memory, "BASE_MB", 0)  # DuckDB shows GiB with one decimal only
+    # small parts, so that the cap stays under 1 GiB (DuckDB shows GiB with one decimal only)
+    monkeypatch.setattr(memory, "BASE_MB", 0)
+    monkeypatch.setattr(memory, "PER_THREAD_MB", 8)
     store = Store(tmp_path / "state.duckdb")
     threads = _threads(store)
     assert _cap_mib(store) == memory.PER_THREAD_MB * threads
@@ -90,11 +94,45 @@ def test_running_out_names_the_variable_and_keeps_nothing(
     assert scalar(store, "SELECT count(*) FROM batches") == 0
 
 
+def test_a_big_insert_makes_room_for_its_keys_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(memory, "BASE_MB", 0)
+    monkeypatch.setattr(memory, "PER_THREAD_MB", 8)
+    store = Store(tmp_path / "state.duckdb")
+    threads = _threads(store)
+    with store._transaction() as con:
+        store._make_room(con, 500_000)
+        inside = con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
+    expected = 8 * threads + 500_000 * memory.BYTES_PER_KEYED_ROW / 2**20
+    assert _cap_mib_of(inside) == pytest.approx(expected, abs=0.5)
+
+
+def test_a_bad_unrelated_setting_does_not_stop_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LOWTIDE_LOCK_TIMEOUT_S", "soon")  # the CLI refuses it; the store reads on
+    assert Store(tmp_path / "state.duckdb").list_runs() is not None
+
+
 def test_a_cap_below_zero_is_refused_naming_the_variable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from lowtide.errors import SettingsError
-
     monkeypatch.setenv("LOWTIDE_STATE_MEMORY_MB", "-5")
     with pytest.raises(SettingsError, match="LOWTIDE_STATE_MEMORY_MB"):
         Store(tmp_path / "state.duckdb").list_runs()
+
+
+def test_publishing_past_the_cap_fails_cleanly_and_leaves_no_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built = Store(tmp_path / "built.duckdb")  # under the sized cap
+    _seed(built, "run1", "first")
+    shutil.copy(built.path, tmp_path / "state.duckdb")
+    monkeypatch.setenv("LOWTIDE_STATE_MEMORY_MB", "1")  # read by the copy's new instance
+    store = Store(tmp_path / "state.duckdb")
+    with pytest.raises(PublishError, match="LOWTIDE_STATE_MEMORY_MB") as caught:
+        store.publish(tmp_path / "pub.duckdb")
+    assert isinstance(caught.value.__cause__, StateMemoryError)
+    assert not (tmp_path / "pub.duckdb").exists()
+    assert not list(tmp_path.glob(".pub.duckdb.*"))  # no temp file left behind
