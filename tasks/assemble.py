@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import orjson
 import polars as pl
@@ -105,26 +106,50 @@ def openai_lines(job: JobSpec, requests: pl.DataFrame) -> pl.Series:
     )["line"]
 
 
-def line_bytes(job: JobSpec, requests: pl.DataFrame) -> pl.Series:
-    """Size of each request's line in bytes, without building the lines."""
+def _line_bytes_expr(job: JobSpec) -> pl.Expr:
     head, mid, tail = line_template(job)
     fixed = len((head + mid + tail).encode()) + 2
-    size = pl.col("custom_id").str.len_bytes() + _escaped("user").str.len_bytes() + fixed
+    return pl.col("custom_id").str.len_bytes() + _escaped("user").str.len_bytes() + fixed
+
+
+def line_bytes(job: JobSpec, requests: pl.DataFrame) -> pl.Series:
+    """Size of each request's line in bytes, without building the lines."""
+    size = _line_bytes_expr(job).alias("bytes")
     # the escaped messages are a copy of every text, held only to be measured
-    return by_slices(requests, _SLICE_ROWS, lambda part: part.select(size.alias("bytes"))["bytes"])
+    return by_slices(requests, _SLICE_ROWS, lambda part: part.select(size)["bytes"])
+
+
+def _estimate_expr(job: JobSpec, sample: pl.Series) -> pl.Expr:
+    """The token estimate of `user`: the fixed prefix counted once, the message from the
+    counted `sample`'s tokens-per-byte ratio."""
+    prefix = sum(count_tokens(m["content"]) + 4 for m in fixed_messages(job)) + 3
+    texts = sample.to_list()
+    sample_bytes = sum(len(s.encode()) for s in texts) or 1
+    ratio = sum(count_tokens(s) for s in texts) / sample_bytes
+    est_user = (pl.col("user").str.len_bytes() * ratio).round().cast(pl.Int64) + 4
+    return pl.lit(prefix) + est_user
 
 
 def estimate_input_tokens(job: JobSpec, requests: pl.DataFrame) -> pl.Series:
     """Per-request input token estimate: the fixed prefix counted once, the user message from a
     counted sample's tokens-per-byte ratio (exact counts where chunking already made them)."""
-    prefix = sum(count_tokens(m["content"]) + 4 for m in fixed_messages(job)) + 3
-    sample = requests.select("user").head(_ESTIMATE_SAMPLE)["user"].to_list()
-    sample_bytes = sum(len(s.encode()) for s in sample) or 1
-    ratio = sum(count_tokens(s) for s in sample) / sample_bytes
-    est_user = (pl.col("user").str.len_bytes() * ratio).round().cast(pl.Int64) + 4
-    return requests.select((pl.lit(prefix) + est_user).alias("est_input_tokens"))[
-        "est_input_tokens"
+    est = _estimate_expr(job, requests["user"].head(_ESTIMATE_SAMPLE))
+    return requests.select(est.alias("est_input_tokens"))["est_input_tokens"]
+
+
+def message_sizes(job: JobSpec, messages: str | Path) -> pl.DataFrame:
+    """`estimate_input_tokens` and `line_bytes` (as `_bytes`) of every request in the parquet
+    file `messages` (custom_id, user), in file order, read a batch at a time: the messages
+    themselves are never all held (at a million rows they are ~1 GB)."""
+    scan = pl.scan_parquet(messages).select("custom_id", "user")
+    sample = scan.select("user").head(_ESTIMATE_SAMPLE).collect()["user"]
+    sizes = [
+        _estimate_expr(job, sample).alias("est_input_tokens"),
+        _line_bytes_expr(job).alias("_bytes"),
     ]
+    parts = [part.select(sizes) for part in scan.collect_batches(chunk_size=_SLICE_ROWS)]
+    empty = pl.DataFrame(schema={"custom_id": pl.String, "user": pl.String}).select(sizes)
+    return pl.concat(parts) if parts else empty
 
 
 def expected_output_tokens(job: JobSpec) -> int:
@@ -170,8 +195,10 @@ def plan_batches(
     """(requests, batches, members) ready for the write-ahead manifest.
 
     New requests carry `user_message` and `template_id` (the line is rebuilt from the template
-    when a shard is sent). With `prebuilt`, `requests` carries full stored `line`s (retry rounds
-    and re-asks resubmit lines as they are)."""
+    when a shard is sent); requests that already carry `est_input_tokens` and `_bytes`
+    (`message_sizes`) carry no message: the manifest reads it from their file. With `prebuilt`,
+    `requests` carries full stored `line`s (retry rounds and re-asks resubmit lines as they
+    are)."""
     if prebuilt:
         reqs = requests.with_columns(
             pl.lit(job.name).alias("job"),
@@ -179,11 +206,17 @@ def plan_batches(
             pl.col("line").str.len_bytes().alias("_bytes"),
         )
     else:
-        reqs = requests.with_columns(
-            pl.col("user").alias("user_message"),
+        sized = (
+            requests  # sized from their file by `message_sizes`; the store reads the messages
+            if "_bytes" in requests.columns
+            else requests.with_columns(
+                pl.col("user").alias("user_message"),
+                estimate_input_tokens(job, requests).alias("est_input_tokens"),
+                line_bytes(job, requests).alias("_bytes"),
+            )
+        )
+        reqs = sized.with_columns(
             pl.lit(template_id(job)).alias("template_id"),
-            estimate_input_tokens(job, requests).alias("est_input_tokens"),
-            line_bytes(job, requests).alias("_bytes"),
             pl.lit(job.name).alias("job"),
             pl.lit(job.model.name).alias("model"),
         )
@@ -252,9 +285,13 @@ def assemble_task(ctx: RunContext, run_id: str, deduped: dict) -> dict:
     job, store = ctx.job, ctx.store
     if store.has_manifest(run_id):  # written by an earlier attempt of this run
         return {"estimate_usd": None, "resumed": True}
-    requests = pl.read_parquet(deduped["to_send"])
+    # the requests without their messages: those stay in the file, which only the sizing
+    # and the manifest's insert read (a batch at a time)
+    messages = deduped["to_send"]
+    requests = pl.read_parquet(messages, columns=["custom_id", "request_key", "urgent"])
     if requests.is_empty():
         return {"estimate_usd": 0.0, "resumed": False, "batches": 0}
+    requests = pl.concat([requests, message_sizes(job, messages)], how="horizontal")
 
     def plan(frame: pl.DataFrame, first_shard: int = 0) -> Plan:
         return plan_batches(
@@ -293,7 +330,7 @@ def assemble_task(ctx: RunContext, run_id: str, deduped: dict) -> dict:
         members = pl.concat([members, rt_members])
     store.save_template(template_id(job), *line_template(job))
     crash_point("mid_assembly")
-    store.write_manifest(run_id, reqs, batches, members)
+    store.write_manifest(run_id, reqs, batches, members, messages=messages)
     stage_log(
         "assemble",
         "%d requests in %d batches (%d urgent), estimate $%.4f, in %.1f s",

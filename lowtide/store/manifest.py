@@ -7,11 +7,13 @@ store each step's id; a batch with a provider id is never sent again.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import orjson
 import polars as pl
 
+from lowtide.errors import LowtideError
 from lowtide.request_lines import RequestLines
 from lowtide.store._db import Database, frame, insert_in_slices
 from lowtide.store.runs import now as _sent_now
@@ -127,24 +129,45 @@ class ManifestStore(Database):
 
     # -- the manifest ----------------------------------------------------------------------------
     def write_manifest(
-        self, run_id: str, requests: pl.DataFrame, batches: pl.DataFrame, members: pl.DataFrame
+        self,
+        run_id: str,
+        requests: pl.DataFrame,
+        batches: pl.DataFrame,
+        members: pl.DataFrame,
+        messages: str | Path | None = None,
     ) -> None:
-        """Request lines and pending batch rows, committed together before anything is sent."""
+        """Request lines and pending batch rows, committed together before anything is sent.
+        With `messages`, a parquet file of (custom_id, user), each request's `user_message` is
+        read from it here, so that a million messages never pass through Python at once."""
         optional = "".join(
             f", {c}"
             for c in ("line", "user_message", "template_id", "reask_of")
             if c in requests.columns
         )
+        insert = (
+            "INSERT OR IGNORE INTO requests BY NAME SELECT custom_id, request_key, job, model, "
+            f"?::VARCHAR AS first_run_id, est_input_tokens, now() AS created_at{optional} "
+        )
         with self._transaction() as con:
             self._make_room(con, requests.height + members.height)
-            insert_in_slices(
-                con,
-                requests,
-                "INSERT OR IGNORE INTO requests BY NAME SELECT custom_id, request_key, job, model, "
-                f"?::VARCHAR AS first_run_id, est_input_tokens, now() AS created_at{optional} "
-                "FROM incoming",
-                [run_id],
-            )
+            if messages is None:
+                insert_in_slices(con, requests, insert + "FROM incoming", [run_id])
+            else:
+                con.register("incoming", requests)
+                # reading the ids alone is cheap; a request without its message is never written
+                unmatched = con.execute(
+                    "SELECT count(*) FROM incoming ANTI JOIN "
+                    "(SELECT custom_id FROM read_parquet(?) WHERE user IS NOT NULL) USING (custom_id)",
+                    [str(messages)],
+                ).fetchall()[0][0]
+                if unmatched:  # the requests were read from this file: a bug if it happens
+                    raise LowtideError(f"{messages}: {unmatched} request(s) have no message in it")
+                con.execute(
+                    insert + ", m.user AS user_message "
+                    "FROM incoming JOIN (SELECT custom_id, user FROM read_parquet(?)) m "
+                    "USING (custom_id)",
+                    [run_id, str(messages)],
+                )
             con.register("bat", batches)
             con.register("mem", members)
             con.execute(

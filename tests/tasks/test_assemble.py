@@ -4,6 +4,7 @@ import orjson
 import polars as pl
 import pytest
 
+from lowtide.errors import LowtideError
 from lowtide.jobspec import load_job
 from lowtide.store import Store
 from tasks import assemble
@@ -11,11 +12,13 @@ from tasks.assemble import (
     cut_shards,
     line_bytes,
     line_template,
+    message_sizes,
     openai_lines,
     plan_batches,
     template_id,
 )
 from tests.conftest import SAMPLE_JOB
+from tests.sql import query, scalar
 
 
 @pytest.fixture
@@ -108,3 +111,58 @@ def test_shards_respect_request_and_byte_limits(n, size, max_req, max_bytes) -> 
     assert (per["len"] <= max_req).all()
     assert (per["b"] <= max_bytes).all()
     assert shard.to_list() == sorted(shard.to_list())  # contiguous
+
+
+def _manifest(job, store: Store, requests: pl.DataFrame, messages=None) -> pl.DataFrame:
+    reqs, batches, members = plan_batches(
+        job, "run1", requests, backend="emulator", max_requests=3, max_bytes=200 * 2**20
+    )
+    store.save_template(template_id(job), *line_template(job))
+    store.write_manifest("run1", reqs, batches, members, messages=messages)
+    return batches
+
+
+@pytest.mark.parametrize("slice_rows", [50_000, 2])  # sized in one batch, or several
+def test_messages_left_in_their_file_give_the_same_manifest(
+    job, tmp_path, monkeypatch, slice_rows
+) -> None:
+    monkeypatch.setattr(assemble, "_SLICE_ROWS", slice_rows)
+    users = ['He said "hi"\n\tthen left 🙂', "Zoë\\n", "plain", "x" * 700, "\x00\x1f ctrl"] * 2
+    requests = _requests(users).with_columns(pl.lit(False).alias("urgent"))
+    path = tmp_path / "to_send.parquet"
+    requests.write_parquet(path)
+    sized = pl.concat(
+        [requests.select("custom_id", "request_key"), message_sizes(job, path)], how="horizontal"
+    )
+
+    whole, apart = Store(tmp_path / "whole.duckdb"), Store(tmp_path / "apart.duckdb")
+    held = _manifest(job, whole, requests.drop("urgent"))
+    read = _manifest(job, apart, sized, messages=path)
+    assert read.drop("batch_id").equals(held.drop("batch_id"))  # same shards, sizes, counts
+    columns = "custom_id, request_key, user_message, template_id, est_input_tokens, line"
+    stored = [
+        query(s, f"SELECT {columns} FROM requests ORDER BY custom_id") for s in (whole, apart)
+    ]
+    assert stored[0].equals(stored[1])
+    assert stored[1]["user_message"].to_list() == users
+    lines = [
+        [ln for b in bs["batch_id"] for ln in s.batch_lines(b)]
+        for s, bs in ((whole, held), (apart, read))
+    ]
+    assert lines[0] == lines[1] and len(lines[1]) == len(users)
+
+
+def test_a_request_missing_from_its_messages_file_writes_nothing(job, tmp_path) -> None:
+    requests = _requests(["a", "b", "c"])
+    path = tmp_path / "to_send.parquet"
+    requests.head(2).write_parquet(path)  # "c" is not in the file
+    sized = pl.concat(
+        [requests.select("custom_id", "request_key").head(2), message_sizes(job, path)],
+        how="horizontal",
+    )
+    sized = pl.concat([sized, sized.tail(1).with_columns(pl.lit("lt1_0002").alias("custom_id"))])
+    store = Store(tmp_path / "state.duckdb")
+    with pytest.raises(LowtideError, match="1 request"):
+        _manifest(job, store, sized, messages=path)
+    assert scalar(store, "SELECT count(*) FROM requests") == 0
+    assert scalar(store, "SELECT count(*) FROM batches") == 0
