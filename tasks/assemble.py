@@ -137,19 +137,20 @@ def estimate_input_tokens(job: JobSpec, requests: pl.DataFrame) -> pl.Series:
     return requests.select(est.alias("est_input_tokens"))["est_input_tokens"]
 
 
-def message_sizes(job: JobSpec, messages: str | Path) -> pl.DataFrame:
-    """`estimate_input_tokens` and `line_bytes` (as `_bytes`) of every request in the parquet
-    file `messages` (custom_id, user), in file order, read a batch at a time: the messages
-    themselves are never all held (at a million rows they are ~1 GB)."""
-    scan = pl.scan_parquet(messages).select("custom_id", "user")
+def sized_requests(job: JobSpec, messages: str | Path) -> pl.DataFrame:
+    """Every request of the parquet file `messages` (dedupe's to_send) without its message:
+    custom_id, request_key, urgent, `estimate_input_tokens` and `line_bytes` (as `_bytes`).
+    Polars' streaming engine reads the file a batch at a time, so the messages are never all
+    held (at a million rows they are ~1 GB); the manifest's insert reads them again itself."""
+    scan = pl.scan_parquet(messages)
     sample = scan.select("user").head(_ESTIMATE_SAMPLE).collect()["user"]
-    sizes = [
+    return scan.select(
+        "custom_id",
+        "request_key",
+        "urgent",
         _estimate_expr(job, sample).alias("est_input_tokens"),
         _line_bytes_expr(job).alias("_bytes"),
-    ]
-    parts = [part.select(sizes) for part in scan.collect_batches(chunk_size=_SLICE_ROWS)]
-    empty = pl.DataFrame(schema={"custom_id": pl.String, "user": pl.String}).select(sizes)
-    return pl.concat(parts) if parts else empty
+    ).collect(engine="streaming")
 
 
 def expected_output_tokens(job: JobSpec) -> int:
@@ -196,7 +197,7 @@ def plan_batches(
 
     New requests carry `user_message` and `template_id` (the line is rebuilt from the template
     when a shard is sent); requests that already carry `est_input_tokens` and `_bytes`
-    (`message_sizes`) carry no message: the manifest reads it from their file. With `prebuilt`,
+    (`sized_requests`) carry no message: the manifest reads it from their file. With `prebuilt`,
     `requests` carries full stored `line`s (retry rounds and re-asks resubmit lines as they
     are)."""
     if prebuilt:
@@ -207,7 +208,7 @@ def plan_batches(
         )
     else:
         sized = (
-            requests  # sized from their file by `message_sizes`; the store reads the messages
+            requests  # sized from their file by `sized_requests`; the store reads the messages
             if "_bytes" in requests.columns
             else requests.with_columns(
                 pl.col("user").alias("user_message"),
@@ -288,10 +289,9 @@ def assemble_task(ctx: RunContext, run_id: str, deduped: dict) -> dict:
     # the requests without their messages: those stay in the file, which only the sizing
     # and the manifest's insert read (a batch at a time)
     messages = deduped["to_send"]
-    requests = pl.read_parquet(messages, columns=["custom_id", "request_key", "urgent"])
+    requests = sized_requests(job, messages)
     if requests.is_empty():
         return {"estimate_usd": 0.0, "resumed": False, "batches": 0}
-    requests = pl.concat([requests, message_sizes(job, messages)], how="horizontal")
 
     def plan(frame: pl.DataFrame, first_shard: int = 0) -> Plan:
         return plan_batches(

@@ -144,6 +144,12 @@ class ManifestStore(Database):
             for c in ("line", "user_message", "template_id", "reask_of")
             if c in requests.columns
         )
+        if (
+            messages is None
+            and requests.height
+            and not {"line", "user_message"} & set(requests.columns)
+        ):
+            raise LowtideError("write_manifest: requests carry no line, no message and no file")
         insert = (
             "INSERT OR IGNORE INTO requests BY NAME SELECT custom_id, request_key, job, model, "
             f"?::VARCHAR AS first_run_id, est_input_tokens, now() AS created_at{optional} "
@@ -161,7 +167,11 @@ class ManifestStore(Database):
                     [str(messages)],
                 ).fetchall()[0][0]
                 if unmatched:  # the requests were read from this file: a bug if it happens
-                    raise LowtideError(f"{messages}: {unmatched} request(s) have no message in it")
+                    raise LowtideError(
+                        f"{messages}: {unmatched} request(s) have no message in it (absent or null"
+                        "); nothing was written or sent. Run the job again: it rebuilds the "
+                        "file from the input"
+                    )
                 con.execute(
                     insert + ", m.user AS user_message "
                     "FROM incoming JOIN (SELECT custom_id, user FROM read_parquet(?)) m "

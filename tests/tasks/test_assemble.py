@@ -10,11 +10,12 @@ from lowtide.store import Store
 from tasks import assemble
 from tasks.assemble import (
     cut_shards,
+    estimate_input_tokens,
     line_bytes,
     line_template,
-    message_sizes,
     openai_lines,
     plan_batches,
+    sized_requests,
     template_id,
 )
 from tests.conftest import SAMPLE_JOB
@@ -122,22 +123,26 @@ def _manifest(job, store: Store, requests: pl.DataFrame, messages=None) -> pl.Da
     return batches
 
 
-@pytest.mark.parametrize("slice_rows", [50_000, 2])  # sized in one batch, or several
-def test_messages_left_in_their_file_give_the_same_manifest(
-    job, tmp_path, monkeypatch, slice_rows
-) -> None:
-    monkeypatch.setattr(assemble, "_SLICE_ROWS", slice_rows)
+def test_requests_sized_from_their_file_match_the_sizes_of_held_messages(job, tmp_path) -> None:
+    users = ['He said "hi"\n\tthen left 🙂', "Zoë\\n", "plain", "x" * 700, "\x00\x1f ctrl"] * 3
+    requests = _requests(users).with_columns(pl.lit(False).alias("urgent"))
+    path = tmp_path / "to_send.parquet"
+    requests.write_parquet(path, row_group_size=2)  # read back in several pieces
+    sized = sized_requests(job, path)
+    assert sized["custom_id"].to_list() == requests["custom_id"].to_list()
+    assert sized["_bytes"].to_list() == line_bytes(job, requests).to_list()
+    assert sized["est_input_tokens"].equals(estimate_input_tokens(job, requests))
+
+
+def test_messages_left_in_their_file_give_the_same_manifest(job, tmp_path) -> None:
     users = ['He said "hi"\n\tthen left 🙂', "Zoë\\n", "plain", "x" * 700, "\x00\x1f ctrl"] * 2
     requests = _requests(users).with_columns(pl.lit(False).alias("urgent"))
     path = tmp_path / "to_send.parquet"
-    requests.write_parquet(path)
-    sized = pl.concat(
-        [requests.select("custom_id", "request_key"), message_sizes(job, path)], how="horizontal"
-    )
+    requests.write_parquet(path, row_group_size=3)
 
     whole, apart = Store(tmp_path / "whole.duckdb"), Store(tmp_path / "apart.duckdb")
     held = _manifest(job, whole, requests.drop("urgent"))
-    read = _manifest(job, apart, sized, messages=path)
+    read = _manifest(job, apart, sized_requests(job, path).drop("urgent"), messages=path)
     assert read.drop("batch_id").equals(held.drop("batch_id"))  # same shards, sizes, counts
     columns = "custom_id, request_key, user_message, template_id, est_input_tokens, line"
     stored = [
@@ -146,23 +151,34 @@ def test_messages_left_in_their_file_give_the_same_manifest(
     assert stored[0].equals(stored[1])
     assert stored[1]["user_message"].to_list() == users
     lines = [
-        [ln for b in bs["batch_id"] for ln in s.batch_lines(b)]
-        for s, bs in ((whole, held), (apart, read))
+        [line for b in batches["batch_id"] for line in store.batch_lines(b)]
+        for store, batches in ((whole, held), (apart, read))
     ]
     assert lines[0] == lines[1] and len(lines[1]) == len(users)
 
 
-def test_a_request_missing_from_its_messages_file_writes_nothing(job, tmp_path) -> None:
-    requests = _requests(["a", "b", "c"])
+@pytest.mark.parametrize("missing", ["absent", "null"])
+def test_a_request_without_its_message_in_the_file_writes_nothing(job, tmp_path, missing) -> None:
+    requests = _requests(["a", "b", "c"]).with_columns(pl.lit(False).alias("urgent"))
     path = tmp_path / "to_send.parquet"
-    requests.head(2).write_parquet(path)  # "c" is not in the file
-    sized = pl.concat(
-        [requests.select("custom_id", "request_key").head(2), message_sizes(job, path)],
-        how="horizontal",
-    )
-    sized = pl.concat([sized, sized.tail(1).with_columns(pl.lit("lt1_0002").alias("custom_id"))])
+    requests.write_parquet(path)
+    sized = sized_requests(job, path).drop("urgent")  # then the file loses a message
+    if missing == "absent":
+        requests.head(2).write_parquet(path)  # "c" is no longer in the file
+    else:
+        requests.with_columns(
+            pl.when(pl.col("custom_id") == "lt1_0002").then(None).otherwise("user").alias("user")
+        ).write_parquet(path)
     store = Store(tmp_path / "state.duckdb")
     with pytest.raises(LowtideError, match="1 request"):
         _manifest(job, store, sized, messages=path)
     assert scalar(store, "SELECT count(*) FROM requests") == 0
     assert scalar(store, "SELECT count(*) FROM batches") == 0
+
+
+def test_requests_with_neither_line_nor_message_nor_file_are_refused(job, tmp_path) -> None:
+    requests = _requests(["a"]).with_columns(pl.lit(False).alias("urgent"))
+    path = tmp_path / "to_send.parquet"
+    requests.write_parquet(path)
+    with pytest.raises(LowtideError, match="no line, no message"):
+        _manifest(job, Store(tmp_path / "state.duckdb"), sized_requests(job, path).drop("urgent"))
