@@ -210,7 +210,10 @@ def dedupe_task(ctx: RunContext, run_id: str, chunked: dict) -> dict:
     store.save_units(run_id, keyed, chunked.get("carried_from"), carried)
     crash_point("after_dedupe")
     path = ctx.work_dir(run_id) / "to_send.parquet"
-    to_send.select("custom_id", "request_key", "user", "unit_tokens", "urgent").write_parquet(path)
+    # in row groups of a slice: assemble and the manifest read it back a group at a time
+    to_send.select("custom_id", "request_key", "user", "unit_tokens", "urgent").write_parquet(
+        path, row_group_size=_SLICE_ROWS
+    )
     counts = store.prepared_counts(run_id)  # with the carried units
     stage_log(
         "dedupe",
