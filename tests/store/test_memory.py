@@ -44,12 +44,20 @@ def _threads(store: Store) -> int:
     return int(store._scalar("SELECT current_setting('threads')"))
 
 
-def test_the_cap_starts_at_the_base_and_grows_with_keyed_rows(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # small parts, so that the cap stays under 1 GiB (DuckDB shows GiB with one decimal only)
+def _duckdb_default() -> str:
+    return duckdb.connect().execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
+
+
+@pytest.fixture
+def small_parts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parts that keep a cap under 1 GiB, which DuckDB shows in MiB (GiB get one decimal)."""
     monkeypatch.setattr(memory, "BASE_MB", 0)
     monkeypatch.setattr(memory, "PER_THREAD_MB", 8)
+
+
+def test_the_cap_starts_at_the_base_and_grows_with_keyed_rows(
+    tmp_path: Path, small_parts: None
+) -> None:
     store = Store(tmp_path / "state.duckdb")
     threads = _threads(store)
     assert _cap_mib(store) == memory.PER_THREAD_MB * threads
@@ -67,17 +75,15 @@ def test_the_cap_never_exceeds_duckdbs_default(
     monkeypatch.setattr(memory, "BYTES_PER_KEYED_ROW", 2**40)  # any keyed row would ask a TiB
     store = Store(tmp_path / "state.duckdb")
     _manifest(store, "r1", _requests(10))
-    default = duckdb.connect().execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
-    assert _cap_mib(store) == pytest.approx(_cap_mib_of(default), rel=0.01)
+    assert _cap_mib(store) == pytest.approx(_cap_mib_of(_duckdb_default()), rel=0.01)
 
 
 def test_the_variable_overrides_the_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOWTIDE_STATE_MEMORY_MB", "300")
     assert _cap_mib(Store(tmp_path / "fixed.duckdb")) == 300
     monkeypatch.setenv("LOWTIDE_STATE_MEMORY_MB", "0")  # DuckDB's own default
-    default = duckdb.connect().execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
     store = Store(tmp_path / "default.duckdb")
-    assert store._scalar("SELECT current_setting('memory_limit')") == default
+    assert store._scalar("SELECT current_setting('memory_limit')") == _duckdb_default()
 
 
 def test_running_out_names_the_variable_and_keeps_nothing(
@@ -94,17 +100,13 @@ def test_running_out_names_the_variable_and_keeps_nothing(
     assert scalar(store, "SELECT count(*) FROM batches") == 0
 
 
-def test_a_big_insert_makes_room_for_its_keys_first(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(memory, "BASE_MB", 0)
-    monkeypatch.setattr(memory, "PER_THREAD_MB", 8)
+def test_a_big_insert_makes_room_for_its_keys_first(tmp_path: Path, small_parts: None) -> None:
     store = Store(tmp_path / "state.duckdb")
     threads = _threads(store)
     with store._transaction() as con:
         store._make_room(con, 500_000)
         inside = con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
-    expected = 8 * threads + 500_000 * memory.BYTES_PER_KEYED_ROW / 2**20
+    expected = memory.PER_THREAD_MB * threads + 500_000 * memory.BYTES_PER_KEYED_ROW / 2**20
     assert _cap_mib_of(inside) == pytest.approx(expected, abs=0.5)
 
 
