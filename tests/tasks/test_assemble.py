@@ -39,21 +39,33 @@ def _requests(users: list[str]) -> pl.DataFrame:
     )
 
 
-def _stored_lines(job, tmp_path, users: list[str]) -> tuple[list[dict], pl.DataFrame]:
-    """Plan, write the manifest to a real store, and read the lines back as they are sent."""
+def _manifest(
+    job, store: Store, requests: pl.DataFrame, messages=None, max_requests: int = 50_000
+) -> pl.DataFrame:
+    """Plan `requests` and write their manifest to a real store; the planned batches."""
     reqs, batches, members = plan_batches(
         job,
         "run1",
-        _requests(users),
+        requests,
         backend="emulator",
-        max_requests=50_000,
+        max_requests=max_requests,
         max_bytes=200 * 2**20,
     )
-    store = Store(tmp_path / "state.duckdb")
     store.save_template(template_id(job), *line_template(job))
-    store.write_manifest("run1", reqs, batches, members)
-    lines = [line for b in batches["batch_id"] for line in store.batch_lines(b)]
-    return [orjson.loads(line) for line in lines], batches
+    store.write_manifest("run1", reqs, batches, members, messages=messages)
+    return batches
+
+
+def _sent_lines(store: Store, batches: pl.DataFrame) -> list[str]:
+    """The batches' lines as they are sent."""
+    return [line for b in batches["batch_id"] for line in store.batch_lines(b)]
+
+
+def _stored_lines(job, tmp_path, users: list[str]) -> tuple[list[dict], pl.DataFrame]:
+    """Plan, write the manifest to a real store, and read the lines back as they are sent."""
+    store = Store(tmp_path / "state.duckdb")
+    batches = _manifest(job, store, _requests(users))
+    return [orjson.loads(line) for line in _sent_lines(store, batches)], batches
 
 
 def test_lines_are_openai_batch_requests_with_a_fixed_prefix(job, tmp_path) -> None:
@@ -114,15 +126,6 @@ def test_shards_respect_request_and_byte_limits(n, size, max_req, max_bytes) -> 
     assert shard.to_list() == sorted(shard.to_list())  # contiguous
 
 
-def _manifest(job, store: Store, requests: pl.DataFrame, messages=None) -> pl.DataFrame:
-    reqs, batches, members = plan_batches(
-        job, "run1", requests, backend="emulator", max_requests=3, max_bytes=200 * 2**20
-    )
-    store.save_template(template_id(job), *line_template(job))
-    store.write_manifest("run1", reqs, batches, members, messages=messages)
-    return batches
-
-
 def test_requests_sized_from_their_file_match_the_sizes_of_held_messages(job, tmp_path) -> None:
     users = ['He said "hi"\n\tthen left 🙂', "Zoë\\n", "plain", "x" * 700, "\x00\x1f ctrl"] * 3
     requests = _requests(users).with_columns(pl.lit(False).alias("urgent"))
@@ -141,8 +144,9 @@ def test_messages_left_in_their_file_give_the_same_manifest(job, tmp_path) -> No
     requests.write_parquet(path, row_group_size=3)
 
     whole, apart = Store(tmp_path / "whole.duckdb"), Store(tmp_path / "apart.duckdb")
-    held = _manifest(job, whole, requests.drop("urgent"))
-    read = _manifest(job, apart, sized_requests(job, path).drop("urgent"), messages=path)
+    held = _manifest(job, whole, requests.drop("urgent"), max_requests=3)
+    sized = sized_requests(job, path).drop("urgent")
+    read = _manifest(job, apart, sized, messages=path, max_requests=3)
     assert read.drop("batch_id").equals(held.drop("batch_id"))  # same shards, sizes, counts
     columns = "custom_id, request_key, user_message, template_id, est_input_tokens, line"
     stored = [
@@ -150,10 +154,7 @@ def test_messages_left_in_their_file_give_the_same_manifest(job, tmp_path) -> No
     ]
     assert stored[0].equals(stored[1])
     assert stored[1]["user_message"].to_list() == users
-    lines = [
-        [line for b in batches["batch_id"] for line in store.batch_lines(b)]
-        for store, batches in ((whole, held), (apart, read))
-    ]
+    lines = [_sent_lines(whole, held), _sent_lines(apart, read)]
     assert lines[0] == lines[1] and len(lines[1]) == len(users)
 
 
