@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import date, datetime
 from pathlib import Path
@@ -130,6 +132,52 @@ def _scan(p: Path, suffix: str, text_columns: tuple[str, ...]) -> pl.LazyFrame |
     return None
 
 
+@contextmanager
+def _reading(path: str, suffix: str) -> Iterator[None]:
+    """A file polars cannot read (bad bytes, a broken line) becomes an error naming it."""
+    try:
+        yield
+    except (pl.exceptions.PolarsError, OSError) as e:
+        raise InputError(f"{path}: cannot read as {suffix[1:] or 'a table'}: {e}") from e
+
+
+def scan_table(
+    path: str,
+    database: str | None = None,
+    text_columns: tuple[str, ...] = (),
+    cursor: Cursor | None = None,
+) -> pl.LazyFrame:
+    """`read_table`'s rows as a lazy scan: nothing is read but the schema, so that a run can
+    check narrow columns and stream the rest to a file. A DuckDB table is read whole."""
+    if path.startswith("duckdb:"):
+        table = path.removeprefix("duckdb:")
+        if not database:
+            raise InputError(f"{path}: set [input] database to the DuckDB file holding {table}")
+        if cursor is None:
+            return read_duckdb_table(database, table, path).lazy()
+        frame = read_duckdb_table(database, table, path, cursor.column, cursor.after)
+        _check_cursor(frame.schema, cursor, path)
+        return frame.lazy()
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"{path}: input file not found")
+    suffix = p.suffix.lower()
+    with _reading(path, suffix):
+        scan = _scan(p, suffix, text_columns)
+        if scan is None:
+            raise InputError(
+                f"{path}: unsupported input type {suffix!r}; use csv, parquet, jsonl or duckdb:TABLE"
+            )
+        schema = scan.collect_schema()  # a file that is no table fails here, not mid-run
+    return scan if cursor is None else scan.filter(_check_cursor(schema, cursor, path))
+
+
+def collect(scan: pl.LazyFrame, path: str) -> pl.DataFrame:
+    """Run a scan of the input `path`; a read error names the file."""
+    with _reading(path, Path(path).suffix.lower()):
+        return scan.collect()
+
+
 def read_table(
     path: str,
     database: str | None = None,
@@ -140,35 +188,7 @@ def read_table(
     and timestamps become DATE/TIMESTAMP columns; `text_columns` (ids, text) stay text as
     written, so an id `007` is never read as the number 7. With a `cursor`, only the rows past
     its mark are read, the filter pushed into the scan (a DuckDB `WHERE`, a polars scan)."""
-    if path.startswith("duckdb:"):
-        table = path.removeprefix("duckdb:")
-        if not database:
-            raise InputError(f"{path}: set [input] database to the DuckDB file holding {table}")
-        if cursor is None:
-            return read_duckdb_table(database, table, path)
-        frame = read_duckdb_table(database, table, path, cursor.column, cursor.after)
-        _check_cursor(frame.schema, cursor, path)
-        return frame
-    p = Path(path)
-    if not p.is_file():
-        raise InputError(f"{path}: input file not found")
-    suffix = p.suffix.lower()
-    try:
-        if cursor is not None:
-            scan = _scan(p, suffix, text_columns)
-            if scan is not None:
-                return scan.filter(_check_cursor(scan.collect_schema(), cursor, path)).collect()
-        if suffix == ".csv":
-            return pl.read_csv(p, **_csv_options(p, text_columns))
-        if suffix == ".parquet":
-            return pl.read_parquet(p)
-        if suffix in (".jsonl", ".ndjson"):
-            return pl.read_ndjson(p, infer_schema_length=10_000)
-    except (pl.exceptions.ComputeError, pl.exceptions.PolarsError, OSError) as e:
-        raise InputError(f"{path}: cannot read as {suffix[1:]}: {e}") from e
-    raise InputError(
-        f"{path}: unsupported input type {suffix!r}; use csv, parquet, jsonl or duckdb:TABLE"
-    )
+    return collect(scan_table(path, database, text_columns, cursor), path)
 
 
 _POLARS_TYPES: dict[str, pl.DataType] = {
@@ -195,25 +215,76 @@ def _cast(col: pl.Expr, source: pl.DataType, kind: str) -> pl.Expr:
     return col.cast(_POLARS_TYPES[kind], strict=False)
 
 
-def cast_columns(frame: pl.DataFrame, types: dict[str, str], where: str) -> pl.DataFrame:
+def cast_columns(scan: pl.LazyFrame, types: dict[str, str], where: str) -> pl.LazyFrame:
     """Give columns the types `[input] columns` names; a value that does not convert is an
-    error naming its column, row and value (never a silent NULL)."""
+    error naming its column, row and value (never a silent NULL). Each column is checked by a
+    scan of that column alone."""
+    schema = scan.collect_schema()
+    casts = []
     for name, kind in types.items():
-        if name not in frame.columns:
+        if name not in schema:
             continue
-        cast = frame.select(_cast(pl.col(name), frame.schema[name], kind).alias("v"))["v"]
-        lost = frame[name].is_not_null() & cast.is_null()
-        if frame[name].dtype == pl.String:
-            lost = lost & (frame[name].str.strip_chars() != "")
-        if lost.any():
-            row = int(lost.arg_true()[0])
+        col = pl.col(name)
+        cast = _cast(col, schema[name], kind)
+        lost = col.is_not_null() & cast.is_null()
+        if schema[name] == pl.String:
+            lost = lost & (col.str.strip_chars() != "")
+        found = collect(
+            scan.select(lost.arg_true().first().alias("row"), col.filter(lost).first().alias("v")),
+            where,
+        )
+        if found["row"][0] is not None:
             raise InputError(
-                f"{where}: column {name!r} at data row {row + 2} holds "
-                f"{frame[name][row]!r}, which does not convert to {kind}; fix the value or the column's "
-                "type in [input] columns"
+                f"{where}: column {name!r} at data row {found['row'][0] + 2} holds "
+                f"{found['v'][0]!r}, which does not convert to {kind}; fix the value or the "
+                "column's type in [input] columns"
             )
-        frame = frame.with_columns(cast.alias(name))
-    return frame
+        casts.append(cast.alias(name))
+    return scan.with_columns(casts) if casts else scan
+
+
+def normalised_scan(
+    scan: pl.LazyFrame,
+    *,
+    where: str,
+    id_column: str,
+    text_column: str,
+    columns: list[str],
+    column_types: dict[str, str] | None = None,
+    extra: tuple[pl.Expr, ...] = (),
+) -> tuple[pl.LazyFrame, int]:
+    """Check the columns and ids, and return the scan of (source_id, text, *columns, *extra)
+    with string ids, and its row count. Only the id column (and each typed column) is read
+    here: the texts stay in the file until the caller streams or collects them."""
+    names = scan.collect_schema().names()
+    missing = [c for c in [id_column, text_column, *columns] if c not in names]
+    if missing:
+        raise InputError(
+            f"{where}: missing column(s) {missing}; the file has {names}. "
+            "Fix the column names in the job file's [input] section."
+        )
+    out = scan.select(
+        pl.col(id_column).cast(pl.String).alias("source_id"),
+        pl.col(text_column).cast(pl.String).alias("text"),
+        *[pl.col(c) for c in columns if c not in (id_column, text_column)],
+        *extra,
+    )
+    out = cast_columns(out, column_types or {}, where)
+    ids = collect(out.select("source_id"), where)["source_id"]
+    if ids.null_count():
+        rows = (ids.is_null().arg_true() + 2).head(5).to_list()  # +2: 1-based, after a header
+        raise InputError(
+            f"{where}: {ids.null_count()} row(s) have no {id_column!r} (first at data row(s) "
+            f"{rows}); every row needs an id"
+        )
+    dup = ids.value_counts().filter(pl.col("count") > 1)
+    if dup.height:
+        examples = dup["source_id"].head(5).to_list()
+        raise InputError(
+            f"{where}: {dup.height} duplicate value(s) in id column {id_column!r}, e.g. {examples}; "
+            "ids must be unique"
+        )
+    return out, ids.len()
 
 
 def normalise_input(
@@ -225,80 +296,70 @@ def normalise_input(
     columns: list[str],
     column_types: dict[str, str] | None = None,
 ) -> pl.DataFrame:
-    """Check the columns and ids, and return (source_id, text, *columns) with string ids."""
-    missing = [c for c in [id_column, text_column, *columns] if c not in frame.columns]
-    if missing:
-        raise InputError(
-            f"{where}: missing column(s) {missing}; the file has {frame.columns}. "
-            "Fix the column names in the job file's [input] section."
-        )
-    out = frame.select(
-        pl.col(id_column).cast(pl.String).alias("source_id"),
-        pl.col(text_column).cast(pl.String).alias("text"),
-        *[pl.col(c) for c in columns if c not in (id_column, text_column)],
+    """`normalised_scan` of a frame in memory, collected."""
+    out, _ = normalised_scan(
+        frame.lazy(),
+        where=where,
+        id_column=id_column,
+        text_column=text_column,
+        columns=columns,
+        column_types=column_types,
     )
-    out = cast_columns(out, column_types or {}, where)
-    null_ids = out.with_row_index("row").filter(pl.col("source_id").is_null())
-    if null_ids.height:
-        rows = (null_ids["row"] + 2).head(5).to_list()  # +2: 1-based, after a header line
-        raise InputError(
-            f"{where}: {null_ids.height} row(s) have no {id_column!r} (first at data row(s) {rows}); "
-            "every row needs an id"
-        )
-    dup = out.group_by("source_id").len().filter(pl.col("len") > 1)
-    if dup.height:
-        examples = dup["source_id"].head(5).to_list()
-        raise InputError(
-            f"{where}: {dup.height} duplicate value(s) in id column {id_column!r}, e.g. {examples}; "
-            "ids must be unique"
-        )
-    return out
+    return collect(out, where)
 
 
 def load_input(job: JobSpec, after: Any = None) -> pl.DataFrame:
     """The job's input rows as (source_id, text, *columns[, _priority]); with `[input]
     cursor_column`, only those past the mark `after` (every row when None)."""
-    return read_input(job, after)[0]
+    rows, _, _ = scan_input(job, after)
+    return collect(rows, job.resolve(job.input.path) or "")
 
 
-def read_input(job: JobSpec, after: Any = None) -> tuple[pl.DataFrame, Any]:
-    """`load_input`'s rows and the largest cursor value among them (`after` when none was read;
-    None for a job without a cursor). Past a mark, no new row is not an error: the run then has
-    no rows and the job view stays as it was."""
+def scan_input(job: JobSpec, after: Any = None) -> tuple[pl.LazyFrame, int, Any]:
+    """`load_input`'s rows as a checked scan, their count, and the largest cursor value among
+    them (`after` when none was read; None for a job without a cursor). Past a mark, no new
+    row is not an error: the run then has no rows and the job view stays as it was."""
     spec = job.input
     path = job.resolve(spec.path) or ""
     cursor = Cursor(spec.cursor_column, after) if spec.cursor_column else None
-    frame = read_table(path, job.resolve(spec.database), (spec.id_column, spec.text_column), cursor)
-    rows = normalise_input(
-        frame,
+    scan = scan_table(path, job.resolve(spec.database), (spec.id_column, spec.text_column), cursor)
+    schema = scan.collect_schema()
+    extra: tuple[pl.Expr, ...] = ()
+    if spec.priority_column is not None:
+        if spec.priority_column not in schema:
+            raise InputError(
+                f"{path}: [input] priority_column {spec.priority_column!r} is not a column of "
+                "the file"
+            )
+        flag = pl.col(spec.priority_column)
+        if schema[spec.priority_column] != pl.Boolean:  # accept 1/0, yes/no, true/false, urgent
+            flag = (
+                flag.cast(pl.String).str.to_lowercase().is_in(["1", "true", "yes", "y", "urgent"])
+            )
+        extra = (flag.fill_null(False).alias(PRIORITY),)
+    rows, height = normalised_scan(
+        scan,
         where=path,
         id_column=spec.id_column,
         text_column=spec.text_column,
         columns=spec.column_names,
         column_types=spec.column_types,
+        extra=extra,
     )
     high = None
     if cursor is not None:
-        values = frame[cursor.column]
+        marks = collect(scan.select(pl.col(spec.id_column), pl.col(cursor.column)), path)
+        values = marks[cursor.column]
         if values.null_count():
-            ids = rows.filter(values.is_null())["source_id"].head(5).to_list()
+            ids = marks.filter(values.is_null())[spec.id_column].head(5).to_list()
             raise InputError(
                 f"{path}: [input] cursor_column {cursor.column!r} is empty in "
                 f"{values.null_count()} row(s), e.g. ids {ids}; every row needs a cursor value"
             )
         high = values.max() if values.len() else after
-    if rows.is_empty() and (cursor is None or after is None):
+    if height == 0 and (cursor is None or after is None):
         raise InputError(f"{path}: the input has no rows (only a header?); nothing to enrich")
-    if spec.priority_column is None:
-        return rows, high
-    if spec.priority_column not in frame.columns:
-        raise InputError(
-            f"{path}: [input] priority_column {spec.priority_column!r} is not a column of the file"
-        )
-    flag = frame[spec.priority_column]
-    if flag.dtype != pl.Boolean:  # accept 1/0, yes/no, true/false, urgent/''
-        flag = flag.cast(pl.String).str.to_lowercase().is_in(["1", "true", "yes", "y", "urgent"])
-    return rows.with_columns(flag.fill_null(False).alias(PRIORITY)), high
+    return rows, height, high
 
 
 def load_eval_set(job: JobSpec) -> pl.DataFrame | None:
@@ -324,53 +385,58 @@ def load_eval_set(job: JobSpec) -> pl.DataFrame | None:
     return out
 
 
-def _read_past_mark(ctx: RunContext, run_id: str) -> pl.DataFrame:
-    """The input rows this run reads. With `[input] cursor_column`: only those past the mark of
-    the job's last completed run, and the run records the mark it leaves (which counts only
-    once it is completed and published: `Store.cursor_mark`)."""
+def _read_past_mark(ctx: RunContext, run_id: str) -> tuple[pl.LazyFrame, int]:
+    """The input rows this run reads (a checked scan) and their count. With `[input]
+    cursor_column`: only those past the mark of the job's last completed run, and the run
+    records the mark it leaves (which counts only once it is completed and published:
+    `Store.cursor_mark`)."""
     job = ctx.job
     column = job.input.cursor_column
     if column is None:
-        return load_input(job)
+        rows, height, _ = scan_input(job)
+        return rows, height
     read_past = ctx.store.cursor_mark(
         job.name, column=column, backend=ctx.backend, job_fingerprint=job.prompt_fingerprint()
     )
-    rows, high = read_input(job, mark_value(read_past)[1] if read_past else None)
+    rows, height, high = scan_input(job, mark_value(read_past)[1] if read_past else None)
     ctx.store.record_cursor(
         run_id,
         column=column,
         read_past=read_past,
-        high=mark_json(high) if rows.height else read_past,
+        high=mark_json(high) if height else read_past,
     )
-    return rows
+    return rows, height
+
+
+SOURCES_ROW_GROUP = 50_000
+"""Rows per row group of the run's sources file: chunk reads it back a group at a time."""
 
 
 @task(name="load", task_run_name="load-{run_id}")
 def load_task(ctx: RunContext, run_id: str) -> dict:
     """Read the input and the eval set; keep the input rows in the store (for the job view) and
-    both as parquet files under the run's work dir for the next stages."""
+    both as parquet files under the run's work dir for the next stages. The input streams from
+    its file to the run's: only its ids (and typed columns, one at a time) are held whole."""
     started = time.perf_counter()
     job = ctx.job
-    rows = _read_past_mark(ctx, run_id)
-    work_dir = ctx.work_dir(run_id)
-    rows.write_parquet(work_dir / "sources.parquet")
-    ctx.store.save_sources(
-        job.view_name,
-        run_id,
-        # _priority steers sending only; analysts never see it
-        rows.drop(PRIORITY, strict=False).rename({"text": job.input.text_column}),
-    )
+    rows, height = _read_past_mark(ctx, run_id)
+    sources = ctx.work_dir(run_id) / "sources.parquet"
+    where = job.resolve(job.input.path) or ""
+    with _reading(where, Path(where).suffix.lower()):
+        rows.sink_parquet(sources, row_group_size=SOURCES_ROW_GROUP)
+    # _priority steers sending only; analysts never see it
+    ctx.store.save_sources(job.view_name, run_id, sources, text_column=job.input.text_column)
     crash_point("during_load")
-    out: dict = {"sources": str(work_dir / "sources.parquet"), "rows": rows.height, "eval": None}
+    out: dict = {"sources": str(sources), "rows": height, "eval": None}
     evals = load_eval_set(job)
     if evals is not None:
-        evals.write_parquet(work_dir / EVAL_FILE)
-        out["eval"] = str(work_dir / EVAL_FILE)
+        evals.write_parquet(ctx.work_dir(run_id) / EVAL_FILE)
+        out["eval"] = str(ctx.work_dir(run_id) / EVAL_FILE)
         out["eval_rows"] = evals.height
     stage_log(
         "load",
         "%d rows and %s eval rows from %s in %.1f s",
-        rows.height,
+        height,
         out.get("eval_rows", 0),
         job.input.path,
         time.perf_counter() - started,

@@ -14,6 +14,7 @@ names with `-` turned into `_`), so no job's tables can collide with another's.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import duckdb
@@ -121,31 +122,59 @@ def common_type(stored: str, incoming: str) -> str:
     return str(row[0]) if row else "VARCHAR"
 
 
+def sources_file_sql(path: Path, text_column: str, names: Iterable[str]) -> str:
+    """The rows of a run's sources file (columns `names`) as the store keeps them: `text`
+    under its input name, without `_priority`, which steers sending only (analysts never see
+    it)."""
+    picked = [
+        f"text AS {ident(text_column)}" if name == "text" else ident(name)
+        for name in names
+        if name != "_priority"
+    ]
+    return f"SELECT {', '.join(picked)} FROM read_parquet({literal(str(path))})"  # noqa: S608
+
+
+def _has_values(con: duckdb.DuckDBPyConnection, column: str) -> bool:
+    return bool(con.execute(f"SELECT count({ident(column)}) FROM incoming").fetchall()[0][0])  # noqa: S608
+
+
 class SourcesStore(Database):
-    def save_sources(self, view: str, run_id: str, rows: pl.DataFrame) -> None:
+    def save_sources(
+        self, view: str, run_id: str, rows: pl.DataFrame | Path, text_column: str = "text"
+    ) -> None:
         """Keep the run's input rows (typed) so the job view can show them next to outputs:
-        the run's membership, and the rows no earlier run stored."""
+        the run's membership, and the rows no earlier run stored. `rows` is a frame of the
+        rows as stored, or the run's sources file (`sources_file_sql`: its `text` is stored as
+        `text_column`), which DuckDB streams a row group at a time."""
         content = ident(content_table(view))
-        key = row_key_sql(rows.columns)
         with self._transaction() as con:
-            con.register("incoming", rows)
+            if isinstance(rows, Path):
+                names = con.execute(
+                    "SELECT column_name FROM "  # noqa: S608 - a quoted path
+                    f"(DESCRIBE SELECT * FROM read_parquet({literal(str(rows))}))"
+                ).fetchall()
+                sql = sources_file_sql(rows, text_column, [n for (n,) in names])
+                con.execute(f"CREATE OR REPLACE TEMP VIEW incoming AS {sql}")
+            else:
+                con.register("incoming", rows)
+            types = dict(
+                con.execute("SELECT column_name, column_type FROM (DESCRIBE incoming)").fetchall()
+            )
+            key = row_key_sql(types)
             con.execute(
                 f"CREATE TABLE IF NOT EXISTS {content} AS "
                 "SELECT 0::UBIGINT AS lowtide_row_key, * FROM incoming LIMIT 0"
             )
             # an input that gained columns since earlier runs: widen the table (old rows: NULL)
             stored = column_types(con, content_table(view))
-            types = dict(
-                con.execute("SELECT column_name, column_type FROM (DESCRIBE incoming)").fetchall()
-            )
-            for column in rows.columns:
+            for column in types:
+                c = ident(column)
                 if column not in stored:
-                    con.execute(f"ALTER TABLE {content} ADD COLUMN {ident(column)} {types[column]}")
-                elif stored[column] != types[column] and rows[column].null_count() < rows.height:
+                    con.execute(f"ALTER TABLE {content} ADD COLUMN {c} {types[column]}")
+                elif stored[column] != types[column] and _has_values(con, column):
                     # a column read as another type tonight (ints that gained a 4.5): widen it
                     # (one empty tonight, read as text, fits any column as it is)
                     wider = common_type(stored[column], types[column])
-                    c = ident(column)
                     if con.execute(  # DuckDB's common type may not hold tonight's values
                         f"SELECT count(*) FROM incoming WHERE {c} IS NOT NULL "  # noqa: S608
                         f"AND TRY_CAST({c} AS {wider}) IS NULL"
@@ -158,12 +187,15 @@ class SourcesStore(Database):
             con.execute(
                 f"INSERT INTO {MEMBERS} SELECT ?, ?, source_id, {key} FROM incoming", [view, run_id]
             )
-            # the texts themselves a slice at a time (ids are unique, so slices never overlap)
-            insert_in_slices(
-                con,
-                rows,
+            insert = (
                 f"INSERT INTO {content} BY NAME SELECT n.* FROM "
                 f"(SELECT {key} AS lowtide_row_key, * FROM incoming) n "
                 f"ANTI JOIN {content} s ON s.source_id = n.source_id "
-                "AND s.lowtide_row_key = n.lowtide_row_key",
+                "AND s.lowtide_row_key = n.lowtide_row_key"
             )
+            if isinstance(rows, Path):
+                con.execute(insert)  # DuckDB reads the file a row group at a time
+                con.execute("DROP VIEW incoming")
+            else:
+                # the texts themselves a slice at a time (ids are unique: slices never overlap)
+                insert_in_slices(con, rows, insert)
