@@ -3,10 +3,12 @@ hash or cut its texts are held for one slice, never for a million rows at once."
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TypeVar
 
 import polars as pl
+import pyarrow.parquet as pq
 
 Part = TypeVar("Part", pl.DataFrame, pl.Series)
 
@@ -17,3 +19,38 @@ def by_slices(frame: pl.DataFrame, rows: int, make: Callable[[pl.DataFrame], Par
     if frame.height <= rows:
         return make(frame)
     return pl.concat([make(part) for part in frame.iter_slices(rows)])
+
+
+def file_slices(path: str | Path, rows: int) -> Iterator[pl.DataFrame]:
+    """A parquet file's rows `rows` at a time, in order; the scan reads only the row groups a
+    slice covers, so the whole file is never held (nothing for an empty file)."""
+    total = pl.scan_parquet(path).select(pl.len()).collect().item()
+    for offset in range(0, total, rows):
+        yield pl.scan_parquet(path).slice(offset, rows).collect()
+
+
+class FileWriter:
+    """Frames appended to one parquet file in order, each as its own row groups; the first
+    frame's types are the file's (later ones are cast to them: a slice whose column is all
+    empty may carry a looser type). `close` with nothing written leaves an empty file of
+    `empty`'s columns."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._writer: pq.ParquetWriter | None = None
+        self.rows = 0
+
+    def write(self, frame: pl.DataFrame) -> None:
+        table = frame.to_arrow()
+        if self._writer is None:
+            self._writer = pq.ParquetWriter(self.path, table.schema)
+        elif table.schema != self._writer.schema:
+            table = table.cast(self._writer.schema)
+        self._writer.write_table(table)
+        self.rows += frame.height
+
+    def close(self, empty: pl.DataFrame) -> None:
+        if self._writer is None:
+            empty.clear().write_parquet(self.path)
+        else:
+            self._writer.close()

@@ -19,7 +19,7 @@ from lowtide.context import RunContext
 from lowtide.jobspec import JobSpec
 from lowtide.orchestration import task
 from lowtide.runlog import stage_log
-from lowtide.slices import by_slices
+from lowtide.slices import FileWriter, by_slices, file_slices
 from lowtide.splitting import split_spans
 from lowtide.store.chunk_cuts import CUTS_SCHEMA
 from lowtide.store.compute import md5_hex
@@ -191,8 +191,8 @@ def job_units(
     job: JobSpec, rows: pl.DataFrame, evals: pl.DataFrame | None, memo: CutMemo | None = None
 ) -> pl.DataFrame:
     """A run's units: the input rows chunked as `[chunk]` says, then the eval set's rows (if
-    any) without their gold columns, truncated to one unit each (`kind = 'eval'`). With a
-    memo, texts an earlier run already cut are not tokenized again."""
+    any) as `eval_units`. With a memo, texts an earlier run already cut are not tokenized
+    again."""
     c = job.chunk
     parts = [
         chunk_units(
@@ -205,54 +205,84 @@ def job_units(
         )
     ]
     if evals is not None:
-        gold = [f for f in job.output_schema.get("properties", {})]
-        evals = evals.drop(
-            [g for g in gold if g in evals.columns and g not in job.input.column_names]
-        )
-        parts.append(
-            chunk_units(
-                evals,
-                max_tokens=c.max_tokens,
-                overlap=c.overlap_tokens,
-                mode="truncate",
-                encoding=c.encoding,
-                kind="eval",
-                memo=memo,
-            )
-        )
+        parts.append(eval_units(job, evals, memo))
     return pl.concat(parts, how="diagonal_relaxed")
+
+
+def eval_units(job: JobSpec, evals: pl.DataFrame, memo: CutMemo | None = None) -> pl.DataFrame:
+    """The eval set's rows without their gold columns, truncated to one unit each
+    (`kind = 'eval'`)."""
+    c = job.chunk
+    gold = [f for f in job.output_schema.get("properties", {})]
+    evals = evals.drop([g for g in gold if g in evals.columns and g not in job.input.column_names])
+    return chunk_units(
+        evals,
+        max_tokens=c.max_tokens,
+        overlap=c.overlap_tokens,
+        mode="truncate",
+        encoding=c.encoding,
+        kind="eval",
+        memo=memo,
+    )
+
+
+EVAL_UNITS = "eval_units.parquet"
+"""The eval set's units, in the run's work dir beside the input rows' `units.parquet`."""
+
+_FILE_SLICE_ROWS = 50_000
+"""Input rows chunked at a time: their texts and units are held for one slice, never for the
+whole input."""
 
 
 @task(name="chunk", task_run_name="chunk-{run_id}")
 def chunk_task(ctx: RunContext, run_id: str, loaded: dict) -> dict:
-    """Rows and eval rows → units, written to the run's work dir; rows unchanged since the run
-    the job's view shows, all answered there, are left out and named for dedupe to carry."""
+    """Rows and eval rows → units, written to the run's work dir a slice of rows at a time;
+    rows unchanged since the run the job's view shows, all answered there, are left out and
+    named for dedupe to carry."""
     started = time.perf_counter()
     job = ctx.job
     c = job.chunk
-    evals = pl.read_parquet(loaded["eval"]) if loaded.get("eval") else None
-    rows = pl.read_parquet(loaded["sources"])
-    recipe = units_recipe(rows.schema)
+    work_dir = ctx.work_dir(run_id)
+    schema = pl.scan_parquet(loaded["sources"]).collect_schema()
+    recipe = units_recipe(schema)
     out: dict = {"carried_from": None, "carried": None, "rows_carried": 0, "units_recipe": recipe}
     carried = unchanged_rows(ctx, run_id, recipe)
     if carried is not None:
-        rows = rows.join(carried.source_ids, on="source_id", how="anti")
         out["carried_from"] = carried.from_run
         out["rows_carried"] = carried.source_ids.height
-        out["carried"] = str(ctx.work_dir(run_id) / "carried.parquet")
+        out["carried"] = str(work_dir / "carried.parquet")
         carried.source_ids.write_parquet(out["carried"])
-    units = job_units(job, rows, evals, memo=ctx.store)
-    path = ctx.work_dir(run_id) / "units.parquet"
-    units.write_parquet(path)
-    n_units = units.filter(pl.col("kind") == "row").height
+
+    def units_of(rows: pl.DataFrame) -> pl.DataFrame:
+        return chunk_units(
+            rows,
+            max_tokens=c.max_tokens,
+            overlap=c.overlap_tokens,
+            mode=c.mode,
+            encoding=c.encoding,
+            memo=ctx.store,  # cuts remembered slice by slice: later slices reuse them
+        )
+
+    units = FileWriter(work_dir / "units.parquet")
+    n_rows = 0
+    for rows in file_slices(loaded["sources"], _FILE_SLICE_ROWS):
+        if carried is not None:
+            rows = rows.join(carried.source_ids, on="source_id", how="anti")
+        n_rows += rows.height
+        units.write(units_of(rows))
+    units.close(empty=units_of(pl.DataFrame(schema=schema)))
+    evals = pl.read_parquet(loaded["eval"]) if loaded.get("eval") else None
+    if evals is not None:
+        eval_units(job, evals, memo=ctx.store).write_parquet(work_dir / EVAL_UNITS)
+        out["eval_units"] = str(work_dir / EVAL_UNITS)
     stage_log(
         "chunk",
         "%d rows → %d units (budget %d tokens); %d unchanged rows keep run %s's units; in %.1f s",
-        rows.height,
-        n_units,
+        n_rows,
+        units.rows,
         c.max_tokens,
         out["rows_carried"],
         out["carried_from"],
         time.perf_counter() - started,
     )
-    return {**out, "units": str(path), "n_units": n_units}
+    return {**out, "units": str(units.path), "n_units": units.rows}
