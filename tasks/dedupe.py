@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import string
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import polars as pl
 
@@ -22,7 +24,7 @@ from lowtide.crashpoints import crash_point
 from lowtide.jobspec import JobSpec
 from lowtide.orchestration import task
 from lowtide.runlog import stage_log
-from lowtide.slices import by_slices
+from lowtide.slices import FileWriter, by_slices, file_slices
 from lowtide.store import Store
 from lowtide.store.compute import sha256_hex
 from tasks.load import PRIORITY
@@ -82,27 +84,37 @@ def _request_keys(units: pl.DataFrame, template: str, fingerprint: str) -> pl.Da
     )
 
 
+def first_requests(keyed: pl.DataFrame) -> pl.DataFrame:
+    """(`_row`, custom_id, urgent): for each request key, the row of its first unit with text
+    (input order kept); a request is urgent when any unit that shares it is. Reads only the
+    narrow columns `_row`, custom_id, `_sendable` and `_priority` (when present)."""
+    urgent = pl.col(PRIORITY).fill_null(False).any() if PRIORITY in keyed.columns else pl.lit(False)
+    return (
+        keyed.filter("_sendable")
+        .group_by("custom_id", maintain_order=True)
+        .agg(pl.col("_row").first(), urgent.alias("urgent"))
+        .select("_row", "custom_id", "urgent")
+    )
+
+
+def _narrow(keyed: pl.DataFrame, offset: int = 0) -> pl.DataFrame:
+    """What `first_requests` reads, rows numbered from `offset`."""
+    return keyed.select(
+        pl.int_range(pl.len(), dtype=pl.Int64).add(offset).alias("_row"),
+        "custom_id",
+        (pl.col(PRIORITY) if PRIORITY in keyed.columns else pl.lit(None, pl.Boolean)).alias(
+            PRIORITY
+        ),
+        (pl.col("text").str.len_bytes() > 0).alias("_sendable"),
+    )
+
+
 def unique_requests(keyed: pl.DataFrame) -> pl.DataFrame:
     """One row per request key, carrying the first unit's text (input order is kept); a request
     is urgent when any unit that shares it is."""
-    urgent = (
-        pl.col(PRIORITY).fill_null(False).any().over("custom_id")
-        if PRIORITY in keyed.columns
-        else pl.lit(False)
-    )
     # Which rows are first is decided on the narrow key columns; the messages of those rows
     # are then copied once (filtering the whole frame first copied every text and message).
-    firsts = (
-        keyed.select(
-            pl.int_range(pl.len()).alias("_row"),
-            "custom_id",
-            *([PRIORITY] if PRIORITY in keyed.columns else []),
-            (pl.col("text").str.len_bytes() > 0).alias("_sendable"),
-        )
-        .filter("_sendable")
-        .with_columns(urgent.alias("urgent"))
-        .unique(subset="custom_id", keep="first", maintain_order=True)
-    )
+    firsts = first_requests(_narrow(keyed))
     return keyed.select(
         pl.col("custom_id", "request_key", "user", "unit_tokens").gather(firsts["_row"])
     ).with_columns(firsts["urgent"])
@@ -184,36 +196,108 @@ def carry_route_answers(store: Store, job: JobSpec, keyed: pl.DataFrame) -> pl.D
     return keyed
 
 
+_UNIT_COLUMNS = ("unit_id", "source_id", "kind", "chunk_index", "n_chunks", "unit_tokens")
+_MESSAGE_COLUMNS = ("custom_id", "request_key", "user", "unit_tokens")
+
+
+def unit_slices(chunked: dict) -> Iterator[pl.DataFrame]:
+    """The run's units as chunk wrote them, a slice at a time: the input rows', then the eval
+    set's."""
+    yield from file_slices(chunked["units"], _SLICE_ROWS)
+    if chunked.get("eval_units"):
+        yield pl.read_parquet(chunked["eval_units"])
+
+
+def keyed_slices(ctx: RunContext, run_id: str, chunked: dict, work_dir: Path) -> tuple[Path, Path]:
+    """Key every unit a slice at a time. Writes the units' narrow columns with their keys (in
+    order, numbered by `_row`) and, per slice, the message of each key's first unit there; only
+    one slice's texts and messages are held at a time."""
+    job, store = ctx.job, ctx.store
+    route_step = store.require_run(run_id)["route_step"] is not None
+    keys = FileWriter(work_dir / "keyed.parquet")
+    messages = FileWriter(work_dir / "messages.parquet")
+    for units in unit_slices(chunked):
+        keyed = key_units(job, units, run_id)
+        if route_step:
+            keyed = carry_route_answers(store, job, keyed)
+        narrow = _narrow(keyed, keys.rows)
+        firsts = first_requests(narrow)
+        local = firsts["_row"] - keys.rows
+        messages.write(keyed.select(*_MESSAGE_COLUMNS).gather(local).with_columns(firsts["_row"]))
+        keys.write(
+            pl.concat([keyed.select(*_UNIT_COLUMNS, "request_key"), narrow], how="horizontal")
+        )
+    keys.close(empty=_empty_keys())
+    messages.close(empty=_empty_messages())
+    return keys.path, messages.path
+
+
+def _empty_keys() -> pl.DataFrame:
+    return pl.DataFrame(
+        schema={
+            "unit_id": pl.String,
+            "source_id": pl.String,
+            "kind": pl.String,
+            "chunk_index": pl.Int32,
+            "n_chunks": pl.Int32,
+            "unit_tokens": pl.Int32,
+            "request_key": pl.String,
+            "_row": pl.Int64,
+            "custom_id": pl.String,
+            PRIORITY: pl.Boolean,
+            "_sendable": pl.Boolean,
+        }
+    )
+
+
+def _empty_messages() -> pl.DataFrame:
+    return pl.DataFrame(
+        schema={
+            "custom_id": pl.String,
+            "request_key": pl.String,
+            "user": pl.String,
+            "unit_tokens": pl.Int32,
+            "_row": pl.Int64,
+        }
+    )
+
+
+def write_to_send(messages: Path, wanted: pl.DataFrame, path: Path) -> int:
+    """The messages of the `wanted` rows (`_row`, urgent), in their order, to `path` in row
+    groups of at most a slice; returns how many."""
+    out = FileWriter(path)
+    for part in file_slices(messages, _SLICE_ROWS):
+        out.write(part.join(wanted, on="_row", how="inner", maintain_order="left").drop("_row"))
+    out.close(empty=_empty_messages().drop("_row").with_columns(pl.lit(False).alias("urgent")))
+    return out.rows
+
+
 @task(name="dedupe", task_run_name="dedupe-{run_id}")
 def dedupe_task(ctx: RunContext, run_id: str, chunked: dict) -> dict:
     """Units → unique requests; saves the run's units and writes what is left to send."""
     started = time.perf_counter()
-    job = ctx.job
-    keyed = key_units(job, pl.read_parquet(chunked["units"]), run_id)
     store = ctx.store
-    if store.require_run(run_id)["route_step"] is not None:
-        keyed = carry_route_answers(store, job, keyed)
-    uniq = unique_requests(keyed)
-    # the units keep only what the store saves: their texts and messages go now (memory)
-    keyed = keyed.drop("text", "user")
-    # flags in uniq's row order, so that no message is copied to carry them
+    work_dir = ctx.work_dir(run_id)
+    keys_path, messages_path = keyed_slices(ctx, run_id, chunked, work_dir)
+    keyed = pl.read_parquet(keys_path)  # narrow: ids, keys and flags, no text
+    uniq = first_requests(keyed)
+    # flags in uniq's row order
     known = uniq.select("custom_id").join(
         store.known_outcomes(uniq["custom_id"]), on="custom_id", how="left", maintain_order="left"
     )
     answered, in_flight = known["answered"], known["in_flight"]
     cached = uniq["custom_id"].filter(answered)
-    to_send = uniq.filter(~answered & ~in_flight)
     n_unique, n_attached = uniq.height, int((~answered & in_flight).sum())
-    del uniq
     keyed = keyed.with_columns(pl.col("custom_id").is_in(cached.implode()).alias("cache_hit"))
     carried = pl.read_parquet(chunked["carried"]) if chunked.get("carried") else None
     store.save_units(run_id, keyed, chunked.get("carried_from"), carried)
     crash_point("after_dedupe")
-    path = ctx.work_dir(run_id) / "to_send.parquet"
+    path = work_dir / "to_send.parquet"
     # in row groups of a slice: assemble and the manifest read it back a group at a time
-    to_send.select("custom_id", "request_key", "user", "unit_tokens", "urgent").write_parquet(
-        path, row_group_size=_SLICE_ROWS
+    n_to_send = write_to_send(
+        messages_path, uniq.filter(~answered & ~in_flight).select("_row", "urgent"), path
     )
+    messages_path.unlink()
     counts = store.prepared_counts(run_id)  # with the carried units
     stage_log(
         "dedupe",
@@ -221,7 +305,7 @@ def dedupe_task(ctx: RunContext, run_id: str, chunked: dict) -> dict:
         keyed.height,
         n_unique,
         cached.len(),
-        to_send.height,
+        n_to_send,
         time.perf_counter() - started,
     )
     return {
@@ -229,6 +313,6 @@ def dedupe_task(ctx: RunContext, run_id: str, chunked: dict) -> dict:
         "unique_requests": counts["unique_requests"],
         "cache_hits": counts["cache_hits"],
         "attached": n_attached,
-        "n_to_send": to_send.height,
+        "n_to_send": n_to_send,
         "row_units": counts["row_units"],
     }
