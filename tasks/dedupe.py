@@ -224,9 +224,7 @@ def keyed_slices(ctx: RunContext, run_id: str, chunked: dict, work_dir: Path) ->
         firsts = first_requests(narrow)
         local = firsts["_row"] - keys.rows
         messages.write(keyed.select(*_MESSAGE_COLUMNS).gather(local).with_columns(firsts["_row"]))
-        keys.write(
-            pl.concat([keyed.select(*_UNIT_COLUMNS, "request_key"), narrow], how="horizontal")
-        )
+        keys.write(pl.concat([keyed.select(*_UNIT_COLUMNS), narrow], how="horizontal"))
     keys.close(empty=_empty_keys())
     messages.close(empty=_empty_messages())
     return keys.path, messages.path
@@ -241,7 +239,6 @@ def _empty_keys() -> pl.DataFrame:
             "chunk_index": pl.Int32,
             "n_chunks": pl.Int32,
             "unit_tokens": pl.Int32,
-            "request_key": pl.String,
             "_row": pl.Int64,
             "custom_id": pl.String,
             PRIORITY: pl.Boolean,

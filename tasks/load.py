@@ -178,6 +178,13 @@ def collect(scan: pl.LazyFrame, path: str) -> pl.DataFrame:
         return scan.collect()
 
 
+def every_field(path: str) -> pl.QueryOptFlags:
+    """How rows are read in full: a CSV's every field is parsed, even in columns the job does
+    not use, so that a line with a field too many (an unquoted comma) is an error, never a text
+    cut short with its fields shifted. (Checks of one column may skip the others.)"""
+    return pl.QueryOptFlags(projection_pushdown=Path(path).suffix.lower() != ".csv")
+
+
 def read_table(
     path: str,
     database: str | None = None,
@@ -312,7 +319,9 @@ def load_input(job: JobSpec, after: Any = None) -> pl.DataFrame:
     """The job's input rows as (source_id, text, *columns[, _priority]); with `[input]
     cursor_column`, only those past the mark `after` (every row when None)."""
     rows, _, _ = scan_input(job, after)
-    return collect(rows, job.resolve(job.input.path) or "")
+    path = job.resolve(job.input.path) or ""
+    with _reading(path, Path(path).suffix.lower()):
+        return rows.collect(optimizations=every_field(path))
 
 
 def scan_input(job: JobSpec, after: Any = None) -> tuple[pl.LazyFrame, int, Any]:
@@ -348,10 +357,13 @@ def scan_input(job: JobSpec, after: Any = None) -> tuple[pl.LazyFrame, int, Any]
     )
     high = None
     if cursor is not None:
-        marks = collect(scan.select(pl.col(spec.id_column), pl.col(cursor.column)), path)
+        # the id under its own name: the cursor may be the id column itself
+        marks = collect(
+            scan.select(pl.col(spec.id_column).alias("_id"), pl.col(cursor.column)), path
+        )
         values = marks[cursor.column]
         if values.null_count():
-            ids = marks.filter(values.is_null())[spec.id_column].head(5).to_list()
+            ids = marks.filter(values.is_null())["_id"].head(5).to_list()
             raise InputError(
                 f"{path}: [input] cursor_column {cursor.column!r} is empty in "
                 f"{values.null_count()} row(s), e.g. ids {ids}; every row needs a cursor value"
@@ -423,7 +435,9 @@ def load_task(ctx: RunContext, run_id: str) -> dict:
     sources = ctx.work_dir(run_id) / "sources.parquet"
     where = job.resolve(job.input.path) or ""
     with _reading(where, Path(where).suffix.lower()):
-        rows.sink_parquet(sources, row_group_size=SOURCES_ROW_GROUP)
+        rows.sink_parquet(
+            sources, row_group_size=SOURCES_ROW_GROUP, optimizations=every_field(where)
+        )
     # _priority steers sending only; analysts never see it
     ctx.store.save_sources(job.view_name, run_id, sources, text_column=job.input.text_column)
     crash_point("during_load")

@@ -112,6 +112,7 @@ CASES: list[tuple[str, list[Setup], str]] = [
     ("input lacks a column", [_file("in.csv", "id,text\n1,a\n")], r"in\.csv: missing column\(s\) \['body', 'channel', 'score'\]; the file has \['id', 'text'\]"),
     ("input with only a header", [_file("in.csv", "id,body,channel,score\n")], r"in\.csv: the input has no rows \(only a header\?\); nothing to enrich"),
     ("duplicate ids", [_file("in.csv", "id,body,channel,score\n7,a,c,1\n7,b,c,1\n")], r"in\.csv: 1 duplicate value\(s\) in id column 'id', e\.g\. \['7'\]; ids must be unique"),
+    ("a CSV line with a field too many", [_file("in.csv", "id,body,channel,score,extra\n1,a,c,1,x\n2,hello, world,c,1,x\n")], r"in\.csv: cannot read as csv: .*found more fields than defined"),
     ("a row without an id", [_file("in.csv", "id,body,channel,score\n1,a,c,1\n,b,c,1\n")], r"in\.csv: 1 row\(s\) have no 'id' \(first at data row\(s\) \[3\]\); every row needs an id"),
     ("a value that is not its declared type", [_job('columns = ["channel", "score"]', 'columns = {channel = "string", score = "integer"}'), _file("in.csv", "id,body,channel,score\n1,a,c,1\n2,b,c,lots\n")], r"in\.csv: column 'score' at data row 3 holds 'lots', which does not convert to integer"),
     ("a negative price", [_file("prices.csv", PRICES.replace("0.60,0.5,test\nemulator", "-0.60,0.5,test\nemulator"))], r"prices\.csv: line 2 \(openai, m\): a price is missing or negative; fix that row"),

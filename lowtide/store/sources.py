@@ -13,17 +13,15 @@ names with `-` turned into `_`), so no job's tables can collide with another's.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import duckdb
+import polars as pl
 
-from lowtide.store._db import Database, insert_in_slices
+from lowtide.slices import file_slices
+from lowtide.store._db import INSERT_SLICE_ROWS, Database
 from lowtide.store._sql import ident, literal
-
-if TYPE_CHECKING:
-    import polars as pl
 
 MEMBERS = "run_sources"
 
@@ -122,16 +120,47 @@ def common_type(stored: str, incoming: str) -> str:
     return str(row[0]) if row else "VARCHAR"
 
 
-def sources_file_sql(path: Path, text_column: str, names: Iterable[str]) -> str:
-    """The rows of a run's sources file (columns `names`) as the store keeps them: `text`
-    under its input name, without `_priority`, which steers sending only (analysts never see
-    it)."""
-    picked = [
-        f"text AS {ident(text_column)}" if name == "text" else ident(name)
-        for name in names
-        if name != "_priority"
-    ]
-    return f"SELECT {', '.join(picked)} FROM read_parquet({literal(str(path))})"  # noqa: S608
+def stored_parts(rows: pl.DataFrame | Path, text_column: str) -> Iterator[pl.DataFrame]:
+    """The rows to store a slice at a time (at least one, perhaps empty): a frame as it is, or
+    the run's sources file with its `text` named `text_column` again and without `_priority`,
+    which steers sending only (analysts never see it). Each slice reaches DuckDB as a polars
+    frame, so row keys hash the same types whichever way the rows came."""
+    if isinstance(rows, pl.DataFrame):
+        parts, empty = rows.iter_slices(INSERT_SLICE_ROWS), rows
+    else:
+        parts = (
+            part.drop("_priority", strict=False).rename({"text": text_column})
+            for part in file_slices(rows, INSERT_SLICE_ROWS)
+        )
+        empty = pl.scan_parquet(rows).head(0).collect()
+        empty = empty.drop("_priority", strict=False).rename({"text": text_column})
+    first = next(parts, None)
+    yield empty if first is None else first
+    yield from parts
+
+
+def _widen(con: duckdb.DuckDBPyConnection, view: str) -> None:
+    """Make room in the job's content table for the slice registered as `incoming`: columns
+    the input gained since earlier runs are added (old rows: NULL), and a column read as
+    another type tonight (ints that gained a 4.5) takes a type that holds both (one empty
+    tonight, read as text, fits any column as it is). Slice by slice this ends where the
+    whole night at once would: the widest type any slice needs."""
+    content = ident(content_table(view))
+    stored = column_types(con, content_table(view))
+    types = dict(con.execute("SELECT column_name, column_type FROM (DESCRIBE incoming)").fetchall())
+    for column, incoming in types.items():
+        c = ident(column)
+        if column not in stored:
+            con.execute(f"ALTER TABLE {content} ADD COLUMN {c} {incoming}")
+        elif stored[column] != incoming and _has_values(con, column):
+            wider = common_type(stored[column], incoming)
+            if con.execute(  # DuckDB's common type may not hold tonight's values
+                f"SELECT count(*) FROM incoming WHERE {c} IS NOT NULL "  # noqa: S608
+                f"AND TRY_CAST({c} AS {wider}) IS NULL"
+            ).fetchall()[0][0]:
+                wider = "VARCHAR"
+            if wider != stored[column]:
+                con.execute(f"ALTER TABLE {content} ALTER COLUMN {c} TYPE {wider}")
 
 
 def _has_values(con: duckdb.DuckDBPyConnection, column: str) -> bool:
@@ -144,58 +173,31 @@ class SourcesStore(Database):
     ) -> None:
         """Keep the run's input rows (typed) so the job view can show them next to outputs:
         the run's membership, and the rows no earlier run stored. `rows` is a frame of the
-        rows as stored, or the run's sources file (`sources_file_sql`: its `text` is stored as
-        `text_column`), which DuckDB streams a row group at a time."""
+        rows as stored, or the run's sources file (`stored_parts`), read a slice at a time:
+        handing 300,000 long texts to DuckDB in one statement raised the process's peak by ~2x
+        their size (measured), and one join of a night's file against every stored row may
+        hash the night's texts."""
         content = ident(content_table(view))
         with self._transaction() as con:
-            if isinstance(rows, Path):
-                names = con.execute(
-                    "SELECT column_name FROM "  # noqa: S608 - a quoted path
-                    f"(DESCRIBE SELECT * FROM read_parquet({literal(str(rows))}))"
-                ).fetchall()
-                sql = sources_file_sql(rows, text_column, [n for (n,) in names])
-                con.execute(f"CREATE OR REPLACE TEMP VIEW incoming AS {sql}")
-            else:
-                con.register("incoming", rows)
-            types = dict(
-                con.execute("SELECT column_name, column_type FROM (DESCRIBE incoming)").fetchall()
-            )
-            key = row_key_sql(types)
-            con.execute(
-                f"CREATE TABLE IF NOT EXISTS {content} AS "
-                "SELECT 0::UBIGINT AS lowtide_row_key, * FROM incoming LIMIT 0"
-            )
-            # an input that gained columns since earlier runs: widen the table (old rows: NULL)
-            stored = column_types(con, content_table(view))
-            for column in types:
-                c = ident(column)
-                if column not in stored:
-                    con.execute(f"ALTER TABLE {content} ADD COLUMN {c} {types[column]}")
-                elif stored[column] != types[column] and _has_values(con, column):
-                    # a column read as another type tonight (ints that gained a 4.5): widen it
-                    # (one empty tonight, read as text, fits any column as it is)
-                    wider = common_type(stored[column], types[column])
-                    if con.execute(  # DuckDB's common type may not hold tonight's values
-                        f"SELECT count(*) FROM incoming WHERE {c} IS NOT NULL "  # noqa: S608
-                        f"AND TRY_CAST({c} AS {wider}) IS NULL"
-                    ).fetchall()[0][0]:
-                        wider = "VARCHAR"
-                    if wider != stored[column]:
-                        con.execute(f"ALTER TABLE {content} ALTER COLUMN {c} TYPE {wider}")
-            con.execute(source_view_sql(view))
             con.execute(f"DELETE FROM {MEMBERS} WHERE view = ? AND run_id = ?", [view, run_id])
-            con.execute(
-                f"INSERT INTO {MEMBERS} SELECT ?, ?, source_id, {key} FROM incoming", [view, run_id]
-            )
-            insert = (
-                f"INSERT INTO {content} BY NAME SELECT n.* FROM "
-                f"(SELECT {key} AS lowtide_row_key, * FROM incoming) n "
-                f"ANTI JOIN {content} s ON s.source_id = n.source_id "
-                "AND s.lowtide_row_key = n.lowtide_row_key"
-            )
-            if isinstance(rows, Path):
-                con.execute(insert)  # DuckDB reads the file a row group at a time
-                con.execute("DROP VIEW incoming")
-            else:
-                # the texts themselves a slice at a time (ids are unique: slices never overlap)
-                insert_in_slices(con, rows, insert)
+            for part in stored_parts(rows, text_column):
+                # each register replaces the last slice's view
+                con.register("incoming", part)
+                key = row_key_sql(part.columns)
+                con.execute(
+                    f"CREATE TABLE IF NOT EXISTS {content} AS "
+                    "SELECT 0::UBIGINT AS lowtide_row_key, * FROM incoming LIMIT 0"
+                )
+                _widen(con, view)
+                con.execute(
+                    f"INSERT INTO {MEMBERS} SELECT ?, ?, source_id, {key} FROM incoming",
+                    [view, run_id],
+                )
+                # ids are unique, so slices never overlap
+                con.execute(
+                    f"INSERT INTO {content} BY NAME SELECT n.* FROM "
+                    f"(SELECT {key} AS lowtide_row_key, * FROM incoming) n "
+                    f"ANTI JOIN {content} s ON s.source_id = n.source_id "
+                    "AND s.lowtide_row_key = n.lowtide_row_key"
+                )
+            con.execute(source_view_sql(view))

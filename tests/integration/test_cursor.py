@@ -18,7 +18,7 @@ from lowtide.jobspec import load_job
 from lowtide.settings import Settings
 from lowtide.store import Store
 from tasks.estimate import estimate_job
-from tasks.load import Cursor, read_table
+from tasks.load import Cursor, read_table, scan_input
 from tests.conftest import SAMPLE_JOB
 from tests.integration.conftest import write_job
 
@@ -180,3 +180,15 @@ def test_the_cursor_filter_is_pushed_into_every_kind_of_source(tmp_path: Path) -
             read_table(path, database, ("id", "body"), Cursor("on"))
         with pytest.raises(InputError, match=r"\[input\] cursor_column 'nope' is not a column"):
             read_table(path, database, ("id", "body"), Cursor("nope", 1))
+
+
+def test_the_id_column_can_be_the_cursor(tmp_path: Path) -> None:
+    """An append-only table whose ids grow: the id column is its own cursor."""
+    job = _job(tmp_path, _messages(5))
+    rows = _messages(5).with_columns(pl.col("seq").alias("message_id"))
+    rows.write_parquet(tmp_path / "messages.parquet")  # integer ids (a CSV's ids stay text)
+    text = job.read_text().replace('cursor_column = "seq"', 'cursor_column = "message_id"')
+    job.write_text(text.replace("messages.csv", "messages.parquet"))
+    rows, height, high = scan_input(load_job(str(job)), 3)
+    assert height == 2 and high == 5
+    assert rows.collect()["source_id"].to_list() == ["4", "5"]

@@ -136,3 +136,43 @@ def test_a_column_empty_tonight_keeps_its_type_and_one_duckdb_cannot_widen_becom
         (None, "2026-01-03"),
         (5, "7"),
     ]
+
+
+def test_a_runs_sources_file_stores_as_its_frame_would_a_slice_at_a_time(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """load hands the store its sources file (`text`, `_priority`); the rows are stored under
+    the input's names, slice by slice, with the keys a frame of the same rows gets, whatever
+    the column types (so unchanged rows are still found unchanged)."""
+    from datetime import datetime, timedelta
+
+    from lowtide.store import sources
+
+    monkeypatch.setattr(sources, "INSERT_SLICE_ROWS", 3)
+    n = 8
+    rows = pl.DataFrame(
+        {
+            "source_id": [f"r{i}" for i in range(n)],
+            "body": [f"text {i}" for i in range(n)],
+            "seen": pl.Series([datetime(2026, 1, 1 + i) for i in range(n)]).cast(pl.Datetime("ms")),
+            "took": [timedelta(seconds=i) for i in range(n)],
+            "score": [i if i != 6 else None for i in range(n)],
+        }
+    )
+    file = tmp_path / "sources.parquet"
+    flagged = rows.rename({"body": "text"}).with_columns(pl.lit(True).alias("_priority"))
+    flagged.write_parquet(file, row_group_size=2)
+
+    store = Store(tmp_path / "state.duckdb")
+    store.save_sources("x", "r1", rows)
+    store.save_sources("x", "r2", file, text_column="body")
+    assert scalar(store, 'SELECT count(*) FROM "src_x-rows"') == n  # the same rows, once
+    stored = query(store, "SELECT * EXCLUDE (run_id, took) FROM src_x WHERE run_id = 'r2'")
+    assert stored.sort("source_id").equals(rows.drop("took"))  # (polars reads no INTERVAL)
+
+    # a later night of floats where the rows held integers: the column widens slice by slice
+    wider = rows.with_columns(pl.col("score").cast(pl.Float64) + 0.5).rename({"body": "text"})
+    wider.write_parquet(file)
+    store.save_sources("x", "r3", file, text_column="body")
+    scores = query(store, "SELECT score FROM src_x WHERE run_id = 'r3' ORDER BY source_id")
+    assert scores["score"].to_list() == [0.5, 1.5, 2.5, 3.5, 4.5, 5.5, None, 7.5]
