@@ -16,15 +16,16 @@ import threading
 
 import duckdb
 
-BASE_MB = 768
-"""Room for one step's work besides the indexes (a first night's manifest of 1M requests fits
-in it at 2 threads, measured) ..."""
+BASE_MB = 384
+"""Room for one step's work besides the indexes: joins, sorts and aggregates spill past it
+beside the state file (a first night of 1M rows ran under 512 MiB + its indexes at 2 threads,
+measured) ..."""
 
-PER_THREAD_MB = 128
+PER_THREAD_MB = 64
 """... plus this for each of DuckDB's threads: sorts and aggregates need room per thread."""
 
-BYTES_PER_KEYED_ROW = 200
-"""Room per row of a table with a primary key: ~2.5x the index's measured cost per key."""
+BYTES_PER_KEYED_ROW = 120
+"""Room per row of a table with a primary key: ~1.5x the index's measured cost per key."""
 
 RECOUNT_GROWTH = 1.2
 """Keyed rows are counted again once the file has grown by this factor since the last count

@@ -64,9 +64,10 @@ def test_the_cap_starts_at_the_base_and_grows_with_keyed_rows(
     _manifest(store, "r1", _requests(100_000))  # 100k requests and 100k batch members
     keyed = scalar(store, "SELECT (SELECT count(*) FROM requests) + count(*) FROM batch_requests")
     assert keyed == 200_000
-    # the next attach sees the grown file and counts again (DuckDB's statistics may round)
+    # the next attach sees the grown file and counts again (whole MiB; DuckDB's statistics
+    # may round)
     expected = memory.PER_THREAD_MB * threads + keyed * memory.BYTES_PER_KEYED_ROW / 2**20
-    assert _cap_mib(store) == pytest.approx(expected, abs=0.5)
+    assert _cap_mib(store) == pytest.approx(expected, abs=1)
 
 
 def test_the_cap_never_exceeds_duckdbs_default(
@@ -107,7 +108,7 @@ def test_a_big_insert_makes_room_for_its_keys_first(tmp_path: Path, small_parts:
         store._make_room(con, 500_000)
         inside = con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
     expected = memory.PER_THREAD_MB * threads + 500_000 * memory.BYTES_PER_KEYED_ROW / 2**20
-    assert _cap_mib_of(inside) == pytest.approx(expected, abs=0.5)
+    assert _cap_mib_of(inside) == pytest.approx(expected, abs=1)
 
 
 def test_a_bad_unrelated_setting_does_not_stop_the_store(
