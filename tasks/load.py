@@ -138,7 +138,9 @@ def _reading(path: str, suffix: str) -> Iterator[None]:
     try:
         yield
     except (pl.exceptions.PolarsError, OSError) as e:
-        raise InputError(f"{path}: cannot read as {suffix[1:] or 'a table'}: {e}") from e
+        # polars' own hints below the first line name its options, which users cannot set
+        said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InputError(f"{path}: cannot read as {suffix[1:] or 'a table'}: {said}") from e
 
 
 def scan_table(
@@ -324,6 +326,20 @@ def load_input(job: JobSpec, after: Any = None) -> pl.DataFrame:
         return rows.collect(optimizations=every_field(path))
 
 
+@contextmanager
+def _ragged_lines_first(scan: pl.LazyFrame, path: str) -> Iterator[None]:
+    """A check of one column reads a CSV line with a field too many as if its fields were
+    shifted (an id ' world', a score 'c'): when a check fails, a full read says first whether
+    the file itself is broken, so the error names the real cause."""
+    try:
+        yield
+    except InputError:
+        if Path(path).suffix.lower() == ".csv":
+            with _reading(path, ".csv"):
+                scan.select(pl.len()).collect(optimizations=every_field(path))
+        raise
+
+
 def scan_input(job: JobSpec, after: Any = None) -> tuple[pl.LazyFrame, int, Any]:
     """`load_input`'s rows as a checked scan, their count, and the largest cursor value among
     them (`after` when none was read; None for a job without a cursor). Past a mark, no new
@@ -346,29 +362,33 @@ def scan_input(job: JobSpec, after: Any = None) -> tuple[pl.LazyFrame, int, Any]
                 flag.cast(pl.String).str.to_lowercase().is_in(["1", "true", "yes", "y", "urgent"])
             )
         extra = (flag.fill_null(False).alias(PRIORITY),)
-    rows, height = normalised_scan(
-        scan,
-        where=path,
-        id_column=spec.id_column,
-        text_column=spec.text_column,
-        columns=spec.column_names,
-        column_types=spec.column_types,
-        extra=extra,
-    )
-    high = None
-    if cursor is not None:
-        # the id under its own name: the cursor may be the id column itself
-        marks = collect(
-            scan.select(pl.col(spec.id_column).alias("_id"), pl.col(cursor.column)), path
+    with _ragged_lines_first(scan, path):
+        rows, height = normalised_scan(
+            scan,
+            where=path,
+            id_column=spec.id_column,
+            text_column=spec.text_column,
+            columns=spec.column_names,
+            column_types=spec.column_types,
+            extra=extra,
         )
-        values = marks[cursor.column]
-        if values.null_count():
-            ids = marks.filter(values.is_null())["_id"].head(5).to_list()
-            raise InputError(
-                f"{path}: [input] cursor_column {cursor.column!r} is empty in "
-                f"{values.null_count()} row(s), e.g. ids {ids}; every row needs a cursor value"
+        high = None
+        if cursor is not None:
+            # both under names of their own: the cursor may be the id column itself
+            marks = collect(
+                scan.select(
+                    pl.col(spec.id_column).alias("id"), pl.col(cursor.column).alias("mark")
+                ),
+                path,
             )
-        high = values.max() if values.len() else after
+            values = marks["mark"]
+            if values.null_count():
+                ids = marks.filter(values.is_null())["id"].head(5).to_list()
+                raise InputError(
+                    f"{path}: [input] cursor_column {cursor.column!r} is empty in "
+                    f"{values.null_count()} row(s), e.g. ids {ids}; every row needs a cursor value"
+                )
+            high = values.max() if values.len() else after
     if height == 0 and (cursor is None or after is None):
         raise InputError(f"{path}: the input has no rows (only a header?); nothing to enrich")
     return rows, height, high

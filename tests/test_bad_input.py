@@ -113,6 +113,7 @@ CASES: list[tuple[str, list[Setup], str]] = [
     ("input with only a header", [_file("in.csv", "id,body,channel,score\n")], r"in\.csv: the input has no rows \(only a header\?\); nothing to enrich"),
     ("duplicate ids", [_file("in.csv", "id,body,channel,score\n7,a,c,1\n7,b,c,1\n")], r"in\.csv: 1 duplicate value\(s\) in id column 'id', e\.g\. \['7'\]; ids must be unique"),
     ("a CSV line with a field too many", [_file("in.csv", "id,body,channel,score,extra\n1,a,c,1,x\n2,hello, world,c,1,x\n")], r"in\.csv: cannot read as csv: .*found more fields than defined"),
+    ("a CSV line with a field too many, before the id", [_file("in.csv", "body,id,channel,score\na,1,c,1\nhello, world,2,c,1\nhey, world,3,c,1\n")], r"in\.csv: cannot read as csv: found more fields than defined in 'Schema'$"),
     ("a row without an id", [_file("in.csv", "id,body,channel,score\n1,a,c,1\n,b,c,1\n")], r"in\.csv: 1 row\(s\) have no 'id' \(first at data row\(s\) \[3\]\); every row needs an id"),
     ("a value that is not its declared type", [_job('columns = ["channel", "score"]', 'columns = {channel = "string", score = "integer"}'), _file("in.csv", "id,body,channel,score\n1,a,c,1\n2,b,c,lots\n")], r"in\.csv: column 'score' at data row 3 holds 'lots', which does not convert to integer"),
     ("a negative price", [_file("prices.csv", PRICES.replace("0.60,0.5,test\nemulator", "-0.60,0.5,test\nemulator"))], r"prices\.csv: line 2 \(openai, m\): a price is missing or negative; fix that row"),

@@ -19,10 +19,11 @@ import duckdb
 BASE_MB = 384
 """Room for one step's work besides the indexes: joins, sorts and aggregates spill past it
 beside the state file (a first night of 1M rows ran under 512 MiB + its indexes at 2 threads,
-measured) ..."""
+measured, with 64 MiB a thread) ..."""
 
-PER_THREAD_MB = 64
-"""... plus this for each of DuckDB's threads: sorts and aggregates need room per thread."""
+PER_THREAD_MB = 128
+"""... plus this for each of DuckDB's threads: sorts and aggregates need room per thread
+(DuckDB asks for at least 125 MB a thread)."""
 
 BYTES_PER_KEYED_ROW = 120
 """Room per row of a table with a primary key: ~1.5x the index's measured cost per key."""
