@@ -23,17 +23,18 @@ def by_slices(frame: pl.DataFrame, rows: int, make: Callable[[pl.DataFrame], Par
 
 def file_slices(path: str | Path, rows: int) -> Iterator[pl.DataFrame]:
     """A parquet file's rows `rows` at a time, in order; the scan reads only the row groups a
-    slice covers, so the whole file is never held (nothing for an empty file)."""
+    slice covers, so the whole file is never held. An empty file gives one empty slice (its
+    columns), so whatever is written from the slices has them too."""
     total = pl.scan_parquet(path).select(pl.len()).collect().item()
-    for offset in range(0, total, rows):
+    for offset in range(0, max(total, 1), rows):
         yield pl.scan_parquet(path).slice(offset, rows).collect()
 
 
 class FileWriter:
     """Frames appended to one parquet file in order, each as its own row groups; the first
     frame's types are the file's (later ones are cast to them: a slice whose column is all
-    empty may carry a looser type). `close` with nothing written leaves an empty file of
-    `empty`'s columns."""
+    empty may carry a looser type). Write at least one frame, empty or not: it gives the file
+    its columns."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -49,8 +50,7 @@ class FileWriter:
         self._writer.write_table(table)
         self.rows += frame.height
 
-    def close(self, empty: pl.DataFrame) -> None:
+    def close(self) -> None:
         if self._writer is None:
-            empty.clear().write_parquet(self.path)
-        else:
-            self._writer.close()
+            raise ValueError(f"{self.path}: closed with no frame written, so it has no columns")
+        self._writer.close()

@@ -270,7 +270,7 @@ def chunk_task(ctx: RunContext, run_id: str, loaded: dict) -> dict:
             rows = rows.join(carried.source_ids, on="source_id", how="anti")
         n_rows += rows.height
         units.write(units_of(rows))
-    units.close(empty=units_of(pl.DataFrame(schema=schema)))
+    units.close()
     evals = pl.read_parquet(loaded["eval"]) if loaded.get("eval") else None
     if evals is not None:
         eval_units(job, evals, memo=ctx.store).write_parquet(work_dir / EVAL_UNITS)

@@ -87,12 +87,11 @@ def _request_keys(units: pl.DataFrame, template: str, fingerprint: str) -> pl.Da
 def first_requests(keyed: pl.DataFrame) -> pl.DataFrame:
     """(`_row`, custom_id, urgent): for each request key, the row of its first unit with text
     (input order kept); a request is urgent when any unit that shares it is. Reads only the
-    narrow columns `_row`, custom_id, `_sendable` and `_priority` (when present)."""
-    urgent = pl.col(PRIORITY).fill_null(False).any() if PRIORITY in keyed.columns else pl.lit(False)
+    narrow columns `_narrow` makes."""
     return (
         keyed.filter("_sendable")
         .group_by("custom_id", maintain_order=True)
-        .agg(pl.col("_row").first(), urgent.alias("urgent"))
+        .agg(pl.col("_row").first(), pl.col(PRIORITY).fill_null(False).any().alias("urgent"))
         .select("_row", "custom_id", "urgent")
     )
 
@@ -225,38 +224,9 @@ def keyed_slices(ctx: RunContext, run_id: str, chunked: dict, work_dir: Path) ->
         local = firsts["_row"] - keys.rows
         messages.write(keyed.select(*_MESSAGE_COLUMNS).gather(local).with_columns(firsts["_row"]))
         keys.write(pl.concat([keyed.select(*_UNIT_COLUMNS), narrow], how="horizontal"))
-    keys.close(empty=_empty_keys())
-    messages.close(empty=_empty_messages())
+    keys.close()
+    messages.close()
     return keys.path, messages.path
-
-
-def _empty_keys() -> pl.DataFrame:
-    return pl.DataFrame(
-        schema={
-            "unit_id": pl.String,
-            "source_id": pl.String,
-            "kind": pl.String,
-            "chunk_index": pl.Int32,
-            "n_chunks": pl.Int32,
-            "unit_tokens": pl.Int32,
-            "_row": pl.Int64,
-            "custom_id": pl.String,
-            PRIORITY: pl.Boolean,
-            "_sendable": pl.Boolean,
-        }
-    )
-
-
-def _empty_messages() -> pl.DataFrame:
-    return pl.DataFrame(
-        schema={
-            "custom_id": pl.String,
-            "request_key": pl.String,
-            "user": pl.String,
-            "unit_tokens": pl.Int32,
-            "_row": pl.Int64,
-        }
-    )
 
 
 def write_to_send(messages: Path, wanted: pl.DataFrame, path: Path) -> int:
@@ -265,7 +235,7 @@ def write_to_send(messages: Path, wanted: pl.DataFrame, path: Path) -> int:
     out = FileWriter(path)
     for part in file_slices(messages, _SLICE_ROWS):
         out.write(part.join(wanted, on="_row", how="inner", maintain_order="left").drop("_row"))
-    out.close(empty=_empty_messages().drop("_row").with_columns(pl.lit(False).alias("urgent")))
+    out.close()
     return out.rows
 
 

@@ -126,17 +126,10 @@ def stored_parts(rows: pl.DataFrame | Path, text_column: str) -> Iterator[pl.Dat
     which steers sending only (analysts never see it). Each slice reaches DuckDB as a polars
     frame, so row keys hash the same types whichever way the rows came."""
     if isinstance(rows, pl.DataFrame):
-        parts, empty = rows.iter_slices(INSERT_SLICE_ROWS), rows
-    else:
-        parts = (
-            part.drop("_priority", strict=False).rename({"text": text_column})
-            for part in file_slices(rows, INSERT_SLICE_ROWS)
-        )
-        empty = pl.scan_parquet(rows).head(0).collect()
-        empty = empty.drop("_priority", strict=False).rename({"text": text_column})
-    first = next(parts, None)
-    yield empty if first is None else first
-    yield from parts
+        yield from rows.iter_slices(INSERT_SLICE_ROWS) if rows.height else [rows]
+        return
+    for part in file_slices(rows, INSERT_SLICE_ROWS):
+        yield part.drop("_priority", strict=False).rename({"text": text_column})
 
 
 def _widen(con: duckdb.DuckDBPyConnection, view: str) -> None:
