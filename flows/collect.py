@@ -18,6 +18,7 @@ from flows.shards import import_shards, pending_requests
 from lowtide import artifacts
 from lowtide.context import run_context
 from lowtide.errors import LowtideError, RunBusyError
+from lowtide.interrupts import raise_if_interrupt
 from lowtide.jobspec import load_job
 from lowtide.lease import driving
 from lowtide.orchestration import flow
@@ -57,6 +58,7 @@ def collect(
         except RunBusyError as e:  # a live enrich (or another collect) drives it: left to it
             touched.append({"run_id": run["run_id"], "status": "driven", "driven_by": e.holder})
         except Exception as e:  # noqa: BLE001 - recorded on the run, raised after the others
+            raise_if_interrupt(e)  # a Ctrl-C DuckDB reported as an error stops the collect
             store.record_error(run["run_id"], f"collect: {type(e).__name__}: {e}")
             e.add_note(f"while collecting run {run['run_id']}")
             problems.append(e)

@@ -24,6 +24,7 @@ from lowtide import artifacts, progress
 from lowtide.context import RunContext, run_context
 from lowtide.crashpoints import crash_point
 from lowtide.input_identity import input_digest, input_fingerprint, spec_digest
+from lowtide.interrupts import raise_if_interrupt
 from lowtide.jobspec import load_job
 from lowtide.lease import driving
 from lowtide.nightly import new_run_id, unchanged_summary
@@ -262,7 +263,9 @@ def run_summary(ctx: RunContext, run_id: str) -> dict[str, Any]:
 
 def record_failure(ctx: RunContext, run_id: str, error: Exception) -> None:
     """Before the manifest exists nothing was sent, so the run ends failed; after, it stays
-    resumable and keeps the error."""
+    resumable and keeps the error. A Ctrl-C that DuckDB reported as an error is no failure:
+    it is raised as the interrupt it was."""
+    raise_if_interrupt(error)
     if ctx.store.has_manifest(run_id):
         ctx.store.record_error(run_id, str(error))
     else:

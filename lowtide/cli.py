@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.markup import escape
@@ -14,6 +14,7 @@ from lowtide.backends import KNOWN, backend_entry
 from lowtide.cli_flows import Terminated, prefect_env, run_job, with_progress
 from lowtide.cli_shards import shards_app
 from lowtide.errors import LowtideError
+from lowtide.interrupts import interrupt_for, is_interrupt
 
 console = render.console
 err_console = render.err_console
@@ -31,19 +32,27 @@ class _OneLineErrors(TyperGroup):
         except LowtideError as e:
             raise typer.Exit(render.error(e)) from e
         except KeyboardInterrupt as e:  # Ctrl-C: one line, and the way back in (not Abort)
-            render.error_line(
-                "interrupted. A run is resumable: the same command continues it and sends "
-                "nothing a provider already accepted (`lowtide status` shows where it stands).",
-                label="stopped:",
-            )
-            if isinstance(e, Terminated):
-                e.end_process()  # ended by SIGTERM, as a service manager expects
-            raise typer.Exit(130) from None
+            _interrupted(e)
         except UsageError as e:  # a subcommand's bad flag: one line too, not a box
             path = e.ctx.command_path if e.ctx is not None else "lowtide"
             hint = f" (see {path} --help)"
             render.error_line(f"{e.format_message()}{hint}")
             raise typer.Exit(2) from e
+        except Exception as e:  # a DuckDB query a signal stopped says so; anything else is a bug
+            if not is_interrupt(e):
+                raise
+            _interrupted(interrupt_for(e))
+
+
+def _interrupted(e: BaseException) -> NoReturn:
+    render.error_line(
+        "interrupted. A run is resumable: the same command continues it and sends "
+        "nothing a provider already accepted (`lowtide status` shows where it stands).",
+        label="stopped:",
+    )
+    if isinstance(e, Terminated):
+        e.end_process()  # ended by SIGTERM, as a service manager expects
+    raise typer.Exit(130) from None
 
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__, cls=_OneLineErrors)

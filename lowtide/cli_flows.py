@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from lowtide import render
 from lowtide.backends import backend_entry
+from lowtide.interrupts import raise_from_signal
 
 if TYPE_CHECKING:
     from lowtide.settings import Settings
@@ -109,7 +110,7 @@ def _terminate_as_interrupt() -> Iterator[None]:
         return
 
     def interrupt(signum: int, frame: object) -> None:
-        raise Terminated
+        raise_from_signal(Terminated())  # noted: a DuckDB query it stops would lose it
 
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import duckdb
 
 from lowtide.errors import LowtideError, StateLockedError, StateMemoryError
+from lowtide.interrupts import kept_through_duckdb
 from lowtide.settings import state_memory_mb
 from lowtide.store import memory, migrations
 from lowtide.store._sql import ident, literal
@@ -110,6 +111,12 @@ class Database:
 
     @contextmanager
     def _connect(self, own_errors_only: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
+        # Ctrl-C in a query stays Ctrl-C, not a failed query
+        with kept_through_duckdb(), self._connected(own_errors_only) as con:
+            yield con
+
+    @contextmanager
+    def _connected(self, own_errors_only: bool) -> Iterator[duckdb.DuckDBPyConnection]:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         attached = _attached_file(self.path)
         with _naming_memory_errors(self.path, attached):  # attaching replays the file's log

@@ -5,49 +5,54 @@ Kept in the store package because it is SQL; it never opens the state file.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import duckdb
 import polars as pl
 
 from lowtide.errors import InputError
+from lowtide.interrupts import kept_through_duckdb
 from lowtide.store._sql import ident
+
+
+@contextmanager
+def _calculator() -> Iterator[duckdb.DuckDBPyConnection]:
+    """An in-memory DuckDB for one calculation; Ctrl-C in it stays Ctrl-C."""
+    con = duckdb.connect()
+    try:
+        with kept_through_duckdb():
+            yield con
+    finally:
+        con.close()
 
 
 def sha256_hex(values: pl.Series) -> pl.Series:
     """sha256 of each string, as lowercase hex (in C, no Python loop)."""
-    con = duckdb.connect()
-    try:
+    with _calculator() as con:
         con.register("v", pl.DataFrame({"v": values}))
         keys = con.sql("SELECT sha256(v) AS k FROM v").to_arrow_table().column("k")
-    finally:
-        con.close()
     return pl.Series(values.name, keys).cast(pl.String)
 
 
 def md5_hex(values: pl.Series) -> pl.Series:
     """md5 of each string, as lowercase hex (in C, no Python loop): a text's short identity."""
-    con = duckdb.connect()
-    try:
+    with _calculator() as con:
         con.register("v", pl.DataFrame({"v": values}, schema={"v": pl.String}))
         keys = con.sql("SELECT md5(v) AS k FROM v").to_arrow_table().column("k")
-    finally:
-        con.close()
     return pl.Series("text_md5", keys).cast(pl.String)
 
 
 def md5_fraction(values: pl.Series, seed: int) -> pl.Series:
     """A stable pseudo-random number in [0, 1) per string: md5(seed:value)'s first 32 bits."""
-    con = duckdb.connect()
-    try:
+    with _calculator() as con:
         con.register("u", pl.DataFrame({"v": values}, schema={"v": pl.String}))
         keys = con.sql(
             "SELECT ('0x' || substr(md5(?::VARCHAR || ':' || v), 1, 8))::BIGINT "
             "/ 4294967296.0 AS k FROM u",
             params=[str(seed)],
         ).to_arrow_table()
-    finally:
-        con.close()
     return pl.Series("k", keys.column("k").to_pylist(), dtype=pl.Float64)
 
 
@@ -72,7 +77,8 @@ def read_duckdb_table(
         column = ident(cursor_column)
         sql, params = f"{sql} WHERE {column} > ? OR {column} IS NULL", [after]
     try:
-        result = pl.from_arrow(con.sql(sql, params=params).to_arrow_table())
+        with kept_through_duckdb():
+            result = pl.from_arrow(con.sql(sql, params=params).to_arrow_table())
     except duckdb.CatalogException as e:
         raise InputError(f"{database}: no table {table!r} (from {where})") from e
     except duckdb.BinderException as e:
