@@ -22,7 +22,8 @@ SQL_START = re.compile(
     r"|COPY \(|ATTACH\b|DETACH\b)",
     re.DOTALL,
 )
-ENV_READERS = {"lowtide/settings.py", "lowtide/backends/keys.py"}
+# allocators.py only sets two native libraries' defaults (kept when the user set them)
+ENV_READERS = {"lowtide/settings.py", "lowtide/backends/keys.py", "lowtide/allocators.py"}
 MAX_LINES = 530
 
 

@@ -1,0 +1,18 @@
+"""How DuckDB's and polars' allocators give memory back: at once.
+
+Each links its own jemalloc, which by default keeps freed pages for ~10 s to reuse them. A run
+frees big slices stage after stage, so both kept hundreds of MiB that were no longer in use and
+the next stage's allocations came on top of them: at 100,000 rows the process held 500-850 MB
+between stages and 450-550 with the pages handed back at once. The settings are read once,
+when each library starts, so they are set on importing lowtide, before either loads; a value
+the user set is kept.
+"""
+
+from __future__ import annotations
+
+import os
+
+RETURN_FREED_PAGES = "dirty_decay_ms:0,muzzy_decay_ms:0"
+
+for variable in ("DUCKDB_JE_MALLOC_CONF", "_RJEM_MALLOC_CONF"):  # DuckDB's, then polars'
+    os.environ.setdefault(variable, RETURN_FREED_PAGES)
