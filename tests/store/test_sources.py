@@ -8,6 +8,7 @@ from pathlib import Path
 
 import duckdb
 import polars as pl
+import pytest
 
 from lowtide.store import Store, migrations
 from tests.sql import query, scalar
@@ -176,3 +177,27 @@ def test_a_runs_sources_file_stores_as_its_frame_would_a_slice_at_a_time(
     store.save_sources("x", "r3", file, text_column="body")
     scores = query(store, "SELECT score FROM src_x WHERE run_id = 'r3' ORDER BY source_id")
     assert scores["score"].to_list() == [0.5, 1.5, 2.5, 3.5, 4.5, 5.5, None, 7.5]
+
+
+def test_a_save_failing_on_a_later_slice_takes_the_runs_membership_back(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Each slice commits on its own (one transaction held the whole night in memory), so a
+    slice that fails after others went in leaves no half membership of the run: its rows are
+    not shown as read by it, and the runs before keep theirs. Saving again stores each row
+    once."""
+    from lowtide.store import sources
+
+    monkeypatch.setattr(sources, "INSERT_SLICE_ROWS", 2)
+    rows = pl.DataFrame({"source_id": ["a", "b", "c", "d"], "body": ["1", "2", "3", "4"]})
+    store = Store(tmp_path / "state.duckdb")
+    store.save_sources("x", "r1", rows)
+    broken = rows.with_columns(source_id=pl.Series(["a", "b", None, "d"]))  # fails slice 2
+    with pytest.raises(duckdb.ConstraintException):
+        store.save_sources("x", "r2", broken)
+    assert scalar(store, "SELECT count(*) FROM src_x WHERE run_id = 'r2'") == 0
+    assert scalar(store, "SELECT count(*) FROM src_x WHERE run_id = 'r1'") == 4
+
+    store.save_sources("x", "r2", rows)
+    assert scalar(store, "SELECT count(*) FROM src_x WHERE run_id = 'r2'") == 4
+    assert scalar(store, 'SELECT count(*) FROM "src_x-rows"') == 4
