@@ -21,13 +21,16 @@ def by_slices(frame: pl.DataFrame, rows: int, make: Callable[[pl.DataFrame], Par
     return pl.concat([make(part) for part in frame.iter_slices(rows)])
 
 
-def file_slices(path: str | Path, rows: int) -> Iterator[pl.DataFrame]:
-    """A parquet file's rows `rows` at a time, in order; the scan reads only the row groups a
-    slice covers, so the whole file is never held. An empty file gives one empty slice (its
-    columns), so whatever is written from the slices has them too."""
+def file_slices(
+    path: str | Path, rows: int, columns: list[str] | None = None
+) -> Iterator[pl.DataFrame]:
+    """A parquet file's rows `rows` at a time, in order (only `columns`, if given); the scan
+    reads only the row groups a slice covers, so the whole file is never held. An empty file
+    gives one empty slice (its columns), so whatever is written from the slices has them too."""
     total = pl.scan_parquet(path).select(pl.len()).collect().item()
     for offset in range(0, max(total, 1), rows):
-        yield pl.scan_parquet(path).slice(offset, rows).collect()
+        scan = pl.scan_parquet(path)
+        yield (scan.select(columns) if columns else scan).slice(offset, rows).collect()
 
 
 class FileWriter:

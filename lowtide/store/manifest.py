@@ -15,7 +15,8 @@ import polars as pl
 
 from lowtide.errors import LowtideError
 from lowtide.request_lines import RequestLines
-from lowtide.store._db import Database, frame, insert_in_slices
+from lowtide.slices import file_slices
+from lowtide.store._db import INSERT_SLICE_ROWS, Database, frame, insert_in_slices
 from lowtide.store.runs import now as _sent_now
 from lowtide.vocabulary import (
     ANSWERED,
@@ -136,9 +137,13 @@ class ManifestStore(Database):
         members: pl.DataFrame,
         messages: str | Path | None = None,
     ) -> None:
-        """Request lines and pending batch rows, committed together before anything is sent.
-        With `messages`, a parquet file of (custom_id, user), each request's `user_message` is
-        read from it here, so that a million messages never pass through Python at once."""
+        """Request lines and pending batch rows, before anything is sent. With `messages`, a
+        parquet file of (custom_id, user), each request's `user_message` is read from it here,
+        a slice of the file at a time, so that a million messages never pass through Python
+        at once; each slice commits on its own (DuckDB holds a transaction's new rows in memory
+        until it ends: ~270 MB more at a million requests), and the batch rows last. A run has
+        a manifest once its batch rows exist (`has_manifest`): until then nothing is sent, and
+        a resumed run writes it again, its requests already stored kept as they are."""
         optional = "".join(
             f", {c}"
             for c in ("line", "user_message", "template_id", "reask_of")
@@ -154,30 +159,12 @@ class ManifestStore(Database):
             "INSERT OR IGNORE INTO requests BY NAME SELECT custom_id, request_key, job, model, "
             f"?::VARCHAR AS first_run_id, est_input_tokens, now() AS created_at{optional} "
         )
+        if messages is not None:
+            self._insert_with_messages(requests, messages, insert, run_id)
         with self._transaction() as con:
-            self._make_room(con, requests.height + members.height)
+            self._make_room(con, members.height + (0 if messages else requests.height))
             if messages is None:
                 insert_in_slices(con, requests, insert + "FROM incoming", [run_id])
-            else:
-                con.register("incoming", requests)
-                # reading the ids alone is cheap; a request without its message is never written
-                unmatched = con.execute(
-                    "SELECT count(*) FROM incoming ANTI JOIN "
-                    "(SELECT custom_id FROM read_parquet(?) WHERE user IS NOT NULL) USING (custom_id)",
-                    [str(messages)],
-                ).fetchall()[0][0]
-                if unmatched:  # the requests were read from this file: a bug if it happens
-                    raise LowtideError(
-                        f"{messages}: {unmatched} request(s) have no message in it (absent or null"
-                        "); nothing was written or sent. Run the job again: it rebuilds the "
-                        "file from the input"
-                    )
-                con.execute(
-                    insert + ", m.user AS user_message "
-                    "FROM incoming JOIN (SELECT custom_id, user FROM read_parquet(?)) m "
-                    "USING (custom_id)",
-                    [run_id, str(messages)],
-                )
             con.register("bat", batches)
             con.register("mem", members)
             con.execute(
@@ -187,6 +174,35 @@ class ManifestStore(Database):
                 [run_id, BatchStatus.PENDING.value],
             )
             con.execute("INSERT OR IGNORE INTO batch_requests SELECT batch_id, custom_id FROM mem")
+
+    def _insert_with_messages(
+        self, requests: pl.DataFrame, messages: str | Path, insert: str, run_id: str
+    ) -> None:
+        """The requests' rows, each with its message from the file `messages`."""
+        with self._connect() as con:
+            con.register("incoming", requests)
+            # reading the ids alone is cheap; a request without its message is never written
+            unmatched = con.execute(
+                "SELECT count(*) FROM incoming ANTI JOIN "
+                "(SELECT custom_id FROM read_parquet(?) WHERE user IS NOT NULL) USING (custom_id)",
+                [str(messages)],
+            ).fetchall()[0][0]
+        if unmatched:  # the requests were read from this file: a bug if it happens
+            raise LowtideError(
+                f"{messages}: {unmatched} request(s) have no message in it (absent or null"
+                "); nothing was written or sent. Run the job again: it rebuilds the "
+                "file from the input"
+            )
+        for part in file_slices(messages, INSERT_SLICE_ROWS, ["custom_id", "user"]):
+            with self._transaction() as con:
+                self._make_room(con, part.height)
+                con.register("incoming", requests)
+                con.register("message", part)
+                con.execute(
+                    insert + ", m.user AS user_message "
+                    "FROM incoming JOIN message m USING (custom_id)",
+                    [run_id],
+                )
 
     def save_template(self, template_id: str, head: str, mid: str, tail: str) -> None:
         with self._transaction() as con:

@@ -1,6 +1,7 @@
-"""Big inserts reach DuckDB a slice at a time (to bound memory at a million rows) inside one
-transaction: the stored rows are those of a single insert, and a slice that fails leaves
-nothing of the earlier ones."""
+"""Big inserts reach DuckDB a slice at a time (to bound memory at a million rows): the stored
+rows are those of a single insert. Inside one transaction a slice that fails leaves nothing of
+the earlier ones; where each slice commits on its own (requests whose messages come from a
+file), a failure leaves no manifest, and writing it again stores each request once."""
 
 from __future__ import annotations
 
@@ -75,3 +76,36 @@ def test_a_failing_slice_leaves_nothing_of_the_manifest(
         _manifest(store, "r1", bad)
     assert scalar(store, "SELECT count(*) FROM requests") == 0
     assert scalar(store, "SELECT count(*) FROM batches") == 0
+
+
+def test_a_failing_message_slice_leaves_no_manifest_and_a_rewrite_completes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lowtide.store import manifest
+
+    monkeypatch.setattr(manifest, "INSERT_SLICE_ROWS", 2)
+    store = Store(tmp_path / "state.duckdb")
+    requests = _requests(5)
+    messages = tmp_path / "to_send.parquet"
+    requests.select("custom_id", pl.col("user_message").alias("user")).write_parquet(messages)
+    sized = requests.drop("user_message")
+    too_big = sized.with_columns(  # the third slice's request cannot be stored (INTEGER column)
+        pl.when(pl.col("custom_id") == "c4")
+        .then(2**40)
+        .otherwise("est_input_tokens")
+        .alias("est_input_tokens")
+    )
+    batches = pl.DataFrame(
+        {"batch_id": ["r1-s0000-a1"], "shard": [0], "attempt": [1], "backend": ["openai"]}
+    ).with_columns(n_requests=pl.lit(5), n_bytes=pl.lit(100))
+    members = requests.select(pl.lit("r1-s0000-a1").alias("batch_id"), "custom_id")
+    with pytest.raises(duckdb.ConversionException):
+        store.write_manifest("r1", too_big, batches, members, messages=messages)
+    assert not store.has_manifest("r1")  # nothing is sent for it
+    assert scalar(store, "SELECT count(*) FROM batch_requests") == 0
+
+    store.write_manifest("r1", sized, batches, members, messages=messages)  # the resumed run
+    stored = query(store, "SELECT custom_id, user_message FROM requests ORDER BY custom_id")
+    assert stored.rows() == [(f"c{i}", f"message {i}") for i in range(5)]
+    assert store.has_manifest("r1")
+    assert scalar(store, "SELECT count(*) FROM batch_requests") == 5
