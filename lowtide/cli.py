@@ -14,7 +14,7 @@ from lowtide.backends import KNOWN, backend_entry
 from lowtide.cli_flows import Terminated, prefect_env, run_job, with_progress
 from lowtide.cli_shards import shards_app
 from lowtide.errors import LowtideError
-from lowtide.interrupts import interrupt_for, is_interrupt
+from lowtide.interrupts import forget_signal, interrupt_for, is_interrupt
 
 console = render.console
 err_console = render.err_console
@@ -45,6 +45,7 @@ class _OneLineErrors(TyperGroup):
 
 
 def _interrupted(e: BaseException) -> NoReturn:
+    forget_signal()  # dealt with here: a later Ctrl-C in this process is its own
     render.error_line(
         "interrupted. A run is resumable: the same command continues it and sends "
         "nothing a provider already accepted (`lowtide status` shows where it stands).",

@@ -1,22 +1,24 @@
 """Ctrl-C and SIGTERM through DuckDB.
 
 DuckDB runs Python's signal handlers while a query executes, and whatever a handler raises
-(KeyboardInterrupt on Ctrl-C, `Terminated` on SIGTERM, Prefect's own on a cancellation) comes
-out of the query as `RuntimeError("Query interrupted")`. Left so, an interrupt is a failure:
-a flow records it as the run's error, a task with retries runs again, and the CLI prints a
-traceback instead of its one line. Handlers here note what they raise, and `kept_through_duckdb`
-puts it back where the query returns.
+(KeyboardInterrupt on Ctrl-C, the CLI's `Terminated` on SIGTERM) comes out of the query as
+`RuntimeError("Query interrupted")`. Left so, an interrupt is a failure: a flow records it as
+the run's error and the CLI prints a traceback instead of its one line. The CLI's handler
+notes what it raises, and `kept_through_duckdb` puts it back where the query returns; what a
+handler of someone else's raised (Prefect's on a cancelled deployment) comes back as
+KeyboardInterrupt, which Prefect also treats as the run ending, not failing.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NoReturn
 
 _QUERY_INTERRUPTED = "Query interrupted"  # DuckDB's message for a query a signal stopped
 
-_raised: BaseException | None = None  # what the last handler raised; handlers run in main
+_raised: BaseException | None = None  # what the CLI's handler raised; handlers run in main
 
 
 def raise_from_signal(exc: BaseException) -> NoReturn:
@@ -26,20 +28,28 @@ def raise_from_signal(exc: BaseException) -> NoReturn:
     raise exc
 
 
+def forget_signal() -> None:
+    """Once a handler's exception has been dealt with (or its handler is gone): a later Ctrl-C
+    must not come back as it."""
+    global _raised
+    _raised = None
+
+
 def is_interrupt(error: BaseException) -> bool:
     """Whether `error` is a signal's interrupt, as raised or as DuckDB reports it."""
-    import duckdb  # here: the CLI asks only when something failed, and starts without it
-
-    if isinstance(error, KeyboardInterrupt | duckdb.InterruptException):
+    if isinstance(error, KeyboardInterrupt):
         return True
-    return type(error) is RuntimeError and str(error) == _QUERY_INTERRUPTED
+    if type(error) is RuntimeError:
+        return str(error) == _QUERY_INTERRUPTED
+    duckdb = sys.modules.get("duckdb")  # not loaded, no DuckDB error (the CLI starts without it)
+    return duckdb is not None and isinstance(error, duckdb.InterruptException)
 
 
 def interrupt_for(error: BaseException) -> BaseException:
     """The exception a signal raised that `error` stands for: the noted one, or
     KeyboardInterrupt (Python's own Ctrl-C handler raised it)."""
-    global _raised
-    noted, _raised = _raised, None
+    noted = _raised
+    forget_signal()
     return noted if noted is not None else KeyboardInterrupt()
 
 

@@ -1,12 +1,11 @@
 """An interrupted DuckDB query comes out as the interrupt, not as a failed query.
 
-DuckDB runs Python's signal handlers inside a query on a connection (the state file's attach
-and detach run on one) and reports whatever they raise as RuntimeError("Query interrupted"),
-measured with DuckDB 2.0.1: a Ctrl-C there once failed a waiting run with a traceback instead of
-stopping it in one line (a CI run of tests/integration/test_interrupt.py caught it). When the
-signal lands is not for a test to choose, so these check the translation on DuckDB's own
-reports: its InterruptException from a real interrupted query, and its signal message after a
-real signal handler ran.
+DuckDB runs Python's signal handlers while a query executes and reports whatever they raise as
+RuntimeError("Query interrupted") (measured with DuckDB 2.0.1): a Ctrl-C in a state query once
+failed a waiting run with a traceback instead of stopping it in one line (a CI run of
+tests/integration/test_interrupt.py caught it). When a signal lands is not for a test to
+choose, so these check the translation on DuckDB's own reports: its InterruptException from a
+real interrupted query, and its signal message after a real signal handler ran.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import duckdb
 import polars as pl
 
 from lowtide.errors import RunNotFoundError, UserError
+from lowtide.interrupts import kept_through_duckdb
 from lowtide.store._db import Database, frame
 from lowtide.vocabulary import FINISHED_RUN, sql_list
 
@@ -65,7 +66,8 @@ def published_history(db: Path, job: str, last_runs: int = HISTORY_RUNS) -> JobH
         raise UserError(f"{db}: no published file; run a job first or give --db the right path")
     con = duckdb.connect(str(db), read_only=True)
     try:
-        return read_history(lambda sql, params: frame(con, sql, params), job, last_runs, db)
+        with kept_through_duckdb():
+            return read_history(lambda sql, params: frame(con, sql, params), job, last_runs, db)
     except duckdb.CatalogException as e:
         raise UserError(f"{db}: not a lowtide published file ({e})") from e
     finally:

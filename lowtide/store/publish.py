@@ -18,6 +18,7 @@ from typing import Any
 import duckdb
 
 from lowtide.errors import PublishError, StateMemoryError
+from lowtide.interrupts import kept_through_duckdb
 from lowtide.output_fields import default_reduce, json_type
 from lowtide.store._sql import ident, json_path, literal, literal_list
 from lowtide.store.publish_delta import FREE_AT_MOST, refresh_tables
@@ -342,7 +343,8 @@ class PublishingStore(RunsStore):
         tmp = db_path.with_name(f".{db_path.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
             db_path.parent.mkdir(parents=True, exist_ok=True)
-            self._write_published(tmp, showing, _previous(db_path, tmp))
+            with kept_through_duckdb():  # the published file's own connection too
+                self._write_published(tmp, showing, _previous(db_path, tmp))
             os.replace(tmp, db_path)
             # a log someone left beside the previous file belongs to it, not to this one (DuckDB
             # would refuse to open the new file with it)
@@ -353,6 +355,9 @@ class PublishingStore(RunsStore):
                 f"{db_path}: cannot write the published file: {' '.join(str(e).split())}; "
                 "the previous file is unchanged"
             ) from e
+        except BaseException:  # interrupted: no half-written file left beside the published one
+            _remove(tmp)
+            raise
         return db_path
 
     def _write_published(self, tmp: Path, showing: str | None, patch: bool) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 import duckdb
 
 from lowtide.errors import UserError
+from lowtide.interrupts import kept_through_duckdb
 
 
 def first_query(view: str, columns: list[str], limit: int = 5) -> str:
@@ -24,10 +25,11 @@ def query_published(db: Path, sql: str, limit: int) -> tuple[list[str], list[tup
     # path or read other files (use DuckDB itself, or `lowtide export`, for that)
     con = duckdb.connect(str(db), read_only=True, config={"enable_external_access": False})
     try:
-        rel = con.sql(sql)
-        if rel is None:
-            return [], []
-        return list(rel.columns), rel.limit(limit).fetchall()
+        with kept_through_duckdb():
+            rel = con.sql(sql)
+            if rel is None:
+                return [], []
+            return list(rel.columns), rel.limit(limit).fetchall()
     except duckdb.Error as e:
         raise UserError(f"{db}: {e}") from e
     finally:
