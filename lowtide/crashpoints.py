@@ -25,9 +25,11 @@ POINTS = (
 POOL_POINTS = ("during_stream",)  # vllm backend: after a group of answers was committed
 
 PREPARE_POINTS = (
+    "mid_sources",  # the first slice of the run's input rows committed, the rest not yet
     "during_load",  # the run's input rows saved, units not yet made
     "after_dedupe",  # units saved, no manifest yet
     "mid_assembly",  # request template saved, the manifest not yet
+    "mid_manifest",  # the first slice of requests committed, no batch rows yet
 )
 
 ROUND_POINTS = (

@@ -30,7 +30,7 @@ def file_slices(
     total = pl.scan_parquet(path).select(pl.len()).collect().item()
     for offset in range(0, max(total, 1), rows):
         scan = pl.scan_parquet(path)
-        yield (scan.select(columns) if columns else scan).slice(offset, rows).collect()
+        yield (scan if columns is None else scan.select(columns)).slice(offset, rows).collect()
 
 
 class FileWriter:
