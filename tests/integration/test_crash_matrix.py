@@ -366,12 +366,13 @@ def test_crash_then_resume(
 
 
 def test_every_crash_point_is_in_the_code_and_the_matrix() -> None:
-    """ALL_POINTS names every `crash_point(...)` call in flows/ and tasks/, and each is a cell
-    on at least one backend (the pool's own point on vllm)."""
+    """ALL_POINTS names every `crash_point(...)` call in flows/, tasks/ and the store (whose
+    slices commit one by one), and each is a cell on at least one backend (the pool's own point
+    on vllm)."""
     import re
 
     called = set()
-    for root in ("flows", "tasks"):
+    for root in ("flows", "tasks", "lowtide/store"):
         for path in (REPO / root).rglob("*.py"):
             called |= set(re.findall(r'crash_point\("(\w+)"\)', path.read_text()))
     assert called == set(ALL_POINTS)
