@@ -143,11 +143,11 @@ class ManifestStore(Database):
         a slice of the file at a time, so that a million messages never pass through Python
         at once; each slice commits on its own (DuckDB holds a transaction's new rows in memory
         until it ends: at a million requests this peaked 1.33 GB in one transaction, 1.23 a
-        slice at a time), and the batch rows last. A run has
-        a manifest once its batch rows exist (`has_manifest`): until then nothing is sent, and
-        a resumed run writes it again, its requests already stored kept as they are. A run
-        that fails here leaves the requests it stored, unsent (no batch row names them): a later
-        run asking the same sends them, keeping the stored rows."""
+        slice at a time), and the batch rows last. A run has a manifest once its batch rows
+        exist (`has_manifest`): until then nothing is sent, and a resumed run writes it again,
+        its requests already stored kept as they are. A run that fails here leaves the
+        requests it stored, unsent (no batch row names them): a later run asking the same
+        sends them, keeping the stored rows."""
         optional = "".join(
             f", {c}"
             for c in ("line", "user_message", "template_id", "reask_of")

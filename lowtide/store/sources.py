@@ -176,10 +176,10 @@ class SourcesStore(Database):
         hash the night's texts. Each slice commits on its own: DuckDB keeps a transaction's new
         rows in memory until it ends (a night of 1M rows peaked at 1.95 GB in one transaction,
         0.90 GB a slice at a time), with the file held across them (detached after each, its
-        checkpoints took 19.9 s of CPU instead of 10.3; one transaction 7.1). Stored rows are keyed by their content, so a slice stored
-        twice is stored once; if storing fails, the run's membership is taken back (rows and
-        widened column types already committed stay: later nights find them as they would
-        any earlier night's)."""
+        checkpoints took 19.9 s of CPU instead of 10.3; one transaction 7.1). Stored rows are
+        keyed by their content, so a slice stored twice is stored once; if storing fails, the
+        run's membership is taken back (rows and widened column types already committed stay:
+        later nights find them as they would any earlier night's)."""
         content = ident(content_table(view))
         with self._transaction() as con:
             con.execute(f"DELETE FROM {MEMBERS} WHERE view = ? AND run_id = ?", [view, run_id])
