@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -24,6 +23,7 @@ from lowtide.backends.keys import require_key
 from lowtide.backends.wire import EMULATOR_FINGERPRINT, is_transient_status
 from lowtide.errors import InputFileGoneError
 from lowtide.request_lines import jsonl_payload
+from lowtide.store.compute import json_lines
 
 T = TypeVar("T")
 
@@ -171,7 +171,7 @@ def parse_result_lines(content: bytes) -> pl.DataFrame:
     if not content.strip():
         return pl.DataFrame(schema=RESULT_SCHEMA)
     content = _normalise_run_batch_errors(content)
-    raw = pl.read_ndjson(io.BytesIO(content), schema=_LINE_SCHEMA)
+    raw = json_lines(content, _LINE_SCHEMA)
     resp = pl.col("response")
     body = resp.struct.field("body")
     choice = body.struct.field("choices").list.first()
