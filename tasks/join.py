@@ -14,6 +14,7 @@ from lowtide.context import RunContext
 from lowtide.crashpoints import crash_point
 from lowtide.orchestration import retry_transient, task
 from lowtide.runlog import stage_log
+from lowtide.slices import WORK_FILE_COMPRESSION
 from lowtide.vocabulary import REALTIME_BACKEND
 
 
@@ -98,7 +99,7 @@ def join_task(ctx: RunContext, batch_id: str) -> dict:
         store.batch_members(batch_id), returned, _missing_reason(batch), unmatched
     )
     path = ctx.work_dir(batch["run_id"]) / f"results-{batch_id}.parquet"
-    joined.write_parquet(path)
+    joined.write_parquet(path, compression=WORK_FILE_COMPRESSION)
     counts = joined["status"].value_counts()
     answered = int((joined["status"] == RequestStatus.ANSWERED.value).sum())
     stage_log("join", "%s: %d of %d requests answered", batch_id, answered, joined.height)

@@ -19,6 +19,7 @@ from lowtide.errors import InputError
 from lowtide.jobspec import JobSpec
 from lowtide.orchestration import task
 from lowtide.runlog import stage_log
+from lowtide.slices import WORK_FILE_COMPRESSION
 from lowtide.store.compute import read_duckdb_table
 
 EVAL_FILE = "eval.parquet"
@@ -456,7 +457,10 @@ def load_task(ctx: RunContext, run_id: str) -> dict:
     where = job.resolve(job.input.path) or ""
     with _reading(where, Path(where).suffix.lower()):
         rows.sink_parquet(
-            sources, row_group_size=SOURCES_ROW_GROUP, optimizations=every_field(where)
+            sources,
+            compression=WORK_FILE_COMPRESSION,
+            row_group_size=SOURCES_ROW_GROUP,
+            optimizations=every_field(where),
         )
     # _priority steers sending only; analysts never see it
     ctx.store.save_sources(job.view_name, run_id, sources, text_column=job.input.text_column)
