@@ -1,8 +1,10 @@
-"""Memory a query freed goes back to the system at once, not ~10 s later (lowtide/allocators.py).
+"""Memory a query freed goes back to the system within about a second (lowtide/allocators.py).
 
 Each probe is a process of its own, started as a user's shell starts `lowtide run`: what
 counts is what importing lowtide sets before DuckDB and polars load. The figures are the
-process's own resident memory after a big table and a big frame are gone, never time.
+process's own resident memory after a big table and a big frame are gone; the probe waits for
+the memory to go back (allocators' background threads hand it back on their own), bounded only
+so that a probe that never sees it ends.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import subprocess
 import sys
 
 AFTER_A_BIG_QUERY = """
-import lowtide, duckdb, polars as pl
+import lowtide, duckdb, polars as pl, time
 
 def rss_mb():
     return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) // 1024
@@ -22,39 +24,42 @@ before = rss_mb()
 con.execute("CREATE TABLE t AS SELECT i, i::VARCHAR AS s FROM range(5000000) t(i)")
 con.execute("SELECT s, count(*) FROM t GROUP BY s ORDER BY 2 LIMIT 1").fetchall()
 con.execute("DROP TABLE t")
-duck = rss_mb() - before
-before = rss_mb()
 frame = pl.DataFrame({"s": pl.arange(0, 5_000_000, eager=True).cast(pl.String)})
 frame.group_by("s").agg(pl.len())
 del frame
-print(duck, rss_mb() - before)
+peak = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) // 1024 - before
+bound = time.monotonic() + 60  # a hang guard: the loop ends when the memory is back
+while rss_mb() - before > peak // 4 and time.monotonic() < bound:
+    time.sleep(0.1)
+print(peak, rss_mb() - before)
 """
 
-LIBRARY_DEFAULT = "dirty_decay_ms:10000"  # jemalloc's own: freed pages kept for 10 s
+PRINT_SETTINGS = """
+import os, lowtide
+print(os.environ["DUCKDB_JE_MALLOC_CONF"], os.environ["_RJEM_MALLOC_CONF"])
+"""
 
 
-def _kept_mb(**conf: str) -> tuple[int, int]:
-    """MiB that stayed after DuckDB's table and polars' frame were gone."""
+def _probe(code: str, **conf: str) -> str:
     env = {k: v for k, v in os.environ.items() if not k.endswith("MALLOC_CONF")}
     out = subprocess.run(
-        [sys.executable, "-c", AFTER_A_BIG_QUERY],
-        env={**env, **conf},
-        capture_output=True,
-        text=True,
-        check=True,
+        [sys.executable, "-c", code], env={**env, **conf}, capture_output=True, text=True
     )
-    duck, polars = (int(v) for v in out.stdout.split())
-    return duck, polars
+    assert out.returncode == 0, out.stderr
+    return out.stdout
 
 
-def test_duckdb_and_polars_give_freed_memory_back_at_once_unless_the_user_says() -> None:
-    duck, polars = _kept_mb()
-    # a user's own setting is kept: here the libraries' default, for comparison
-    duck_default, polars_default = _kept_mb(
-        DUCKDB_JE_MALLOC_CONF=LIBRARY_DEFAULT, _RJEM_MALLOC_CONF=LIBRARY_DEFAULT
-    )
-    # measured: 13-15 and 85-127 MiB stayed; with the libraries' default 382 and 576 MiB did
-    assert duck * 3 < duck_default and polars * 3 < polars_default, (
-        (duck, polars),
-        (duck_default, polars_default),
-    )
+def test_duckdb_and_polars_give_freed_memory_back_on_their_own() -> None:
+    peak, kept = (int(v) for v in _probe(AFTER_A_BIG_QUERY).split())
+    # measured: 839 MiB at the top, 46 kept once the background threads ran; with jemalloc's
+    # own settings (no background thread, 10 s) the idle process still kept 842 of 1,336 after
+    # waiting 5 s
+    assert peak > 200, peak
+    assert kept * 4 < peak, (peak, kept)
+
+
+def test_a_user_s_own_allocator_settings_are_kept() -> None:
+    assert _probe(PRINT_SETTINGS, DUCKDB_JE_MALLOC_CONF="narenas:2").split() == [
+        "narenas:2",
+        "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0",
+    ]
