@@ -18,7 +18,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from lowtide.tokens import count_tokens, encode, get_encoding, slices_are_clean
+from lowtide.tokens import count_tokens, count_within, encode, get_encoding, slices_are_clean
 
 _EDGE_TOKENS = 2
 """Headroom below the budget: a piece cut mid-word is re-encoded, and can merge differently at
@@ -68,10 +68,11 @@ def split_spans(
     """Cut `text` into pieces of at most `max_tokens` tokens, consecutive pieces sharing about
     `overlap` tokens: (first character, length in characters, token count) per piece. With
     overlap 0 the pieces concatenate to `text`. Each count is the piece's own encoding's."""
+    fits = count_within(text, max_tokens, encoding)  # most long texts: counted, not encoded
+    if fits is not None:
+        return [(0, len(text), fits)]
     ids = encode(text, encoding)
     n = len(ids)
-    if n <= max_tokens:
-        return [(0, len(text), n)]
     data = text.encode("utf-8")
     offsets = _token_offsets(data, ids, encoding)
     # a text encoded in slices cut mid pre-token (no clean place to slice it) has tokens that

@@ -356,3 +356,19 @@ def test_input_columns_named_like_the_cut_columns_travel_untouched() -> None:
     assert a.height > 1 and "".join(a["text"].to_list()) == "word " * 300
     assert set(a["starts"].to_list()) == {7} and set(a["tokens"].to_list()) == {1.5}
     assert units.filter(pl.col("source_id") == "b")["lengths"].to_list() == ["y"]
+
+
+@given(words=WORDS, limit=st.integers(min_value=0, max_value=300))
+@settings(max_examples=80, deadline=None)
+def test_counting_within_a_limit_agrees_with_encoding(words: list[str], limit: int) -> None:
+    text = " ".join(words)
+    n = count_tokens(text)
+    assert tokens.count_within(text, limit) == (n if n <= limit else None)
+
+
+def test_counting_within_a_limit_takes_the_long_way_where_the_counter_cannot() -> None:
+    broken = "a lone \udc80 surrogate " * 10  # UTF-8 cannot hold it: counted as encode sees it
+    assert tokens.count_within(broken, 10_000) == count_tokens(broken)
+    several_slices = "many words here " * 5_000  # 80,000 characters: encoded a slice at a time
+    assert tokens.count_within(several_slices, 10**6) == count_tokens(several_slices)
+    assert tokens.count_within(several_slices, 100) is None
