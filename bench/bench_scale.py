@@ -182,12 +182,14 @@ price_table = "{REPO / "data" / "prices.csv"}"
     return job
 
 
-def stage_seconds(timings: Path) -> tuple[dict[str, float], int]:
-    """Seconds per task name (summed) and the number of task calls (what Prefect would record
-    as task runs) of one in-process run, from its LOWTIDE_STAGE_TIMINGS file."""
+def stage_seconds(timings: Path) -> tuple[dict[str, float], int, dict[str, float]]:
+    """Wall seconds per task name (summed), the number of task calls (what Prefect would
+    record as task runs) and CPU seconds per task name, of one in-process run, from its
+    LOWTIDE_STAGE_TIMINGS file."""
     if not timings.is_file():  # an unchanged night returns before any flow or task
-        return {}, 0
+        return {}, 0, {}
     stages: dict[str, float] = {}
+    cpu: dict[str, float] = {}
     calls = 0
     for line in timings.read_bytes().splitlines():
         entry = json.loads(line)
@@ -195,7 +197,8 @@ def stage_seconds(timings: Path) -> tuple[dict[str, float], int]:
             continue
         calls += 1
         stages[entry["name"]] = stages.get(entry["name"], 0.0) + float(entry["seconds"])
-    return stages, calls
+        cpu[entry["name"]] = cpu.get(entry["name"], 0.0) + float(entry.get("cpu_s", 0.0))
+    return stages, calls, cpu
 
 
 def night(name: str, job: Path, env: dict[str, str], work: Path) -> dict:
@@ -223,13 +226,14 @@ def night(name: str, job: Path, env: dict[str, str], work: Path) -> dict:
             f"{name}: the run left no stage timings, so it went through a Prefect server (a "
             "profile or ./prefect.toml names one?): run the bench without one"
         )
-    stages, task_runs = stage_seconds(timings)
+    stages, task_runs, stage_cpu = stage_seconds(timings)
     sizes = {k: Path(env[k]).stat().st_size for k in ("LOWTIDE_STATE", "LOWTIDE_DB")}
     return {
         **result,
         "name": name,
         "run": run,
         "stages": stages,
+        "stage_cpu": stage_cpu,
         "task_runs": task_runs,
         "state_mb": sizes["LOWTIDE_STATE"] / 2**20,
         "published_mb": sizes["LOWTIDE_DB"] / 2**20,
@@ -375,6 +379,16 @@ def report(
             f"{n['published_mb']:.0f}",
         ] + [f"{n['stages'].get(s, 0.0):.1f}" for s in stages]
         print("| " + " | ".join(cells) + " |")
+    print(
+        "\nfirst night, CPU s of the run's process by stage (the rest: starting, Prefect, "
+        f"waiting on the engine): {first['cpu_s'] - sum(first['stage_cpu'].values()):.1f}\n\n| "
+        + " | ".join(first["stage_cpu"])
+        + " |\n|"
+        + "---|" * len(first["stage_cpu"])
+        + "\n| "
+        + " | ".join(f"{v:.1f}" for v in first["stage_cpu"].values())
+        + " |"
+    )
     size = lambda n: n["state_mb"] + n["published_mb"]  # noqa: E731
     print(
         f"\nscale: rows={rows} total_s={first['cpu_s']:.1f} "

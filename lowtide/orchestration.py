@@ -136,7 +136,7 @@ def _delays(setting: object, retries: int) -> list[float]:
 
 @contextmanager
 def _timed(kind: str, name: str, run_name: str) -> Iterator[None]:
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     try:
         yield
     finally:
@@ -144,7 +144,14 @@ def _timed(kind: str, name: str, run_name: str) -> Iterator[None]:
         _log.info("%s %s took %.2f s", kind, run_name, seconds)
         path = _TIMINGS.get()
         if path is not None:
-            line = {"kind": kind, "name": name, "run_name": run_name, "seconds": seconds}
+            # the process's CPU across all its threads: a stage's own while stages run in turn
+            line = {
+                "kind": kind,
+                "name": name,
+                "run_name": run_name,
+                "seconds": seconds,
+                "cpu_s": time.process_time() - cpu_started,
+            }
             try:
                 with path.open("ab") as out:
                     out.write(orjson.dumps(line) + b"\n")
