@@ -344,8 +344,7 @@ class PublishingStore(RunsStore):
         try:
             db_path.parent.mkdir(parents=True, exist_ok=True)
             with kept_through_duckdb():  # the published file's own connection too
-                patch = _previous(db_path, tmp) or self._copy_of_state(tmp)
-                self._write_published(tmp, showing, patch)
+                self._write_published(tmp, showing, _previous(db_path, tmp))
             os.replace(tmp, db_path)
             # a log someone left beside the previous file belongs to it, not to this one (DuckDB
             # would refuse to open the new file with it)
@@ -360,28 +359,6 @@ class PublishingStore(RunsStore):
             _remove(tmp)
             raise
         return db_path
-
-    def _copy_of_state(self, tmp: Path) -> bool:
-        """With no published file to start from, start from a copy of the state file itself:
-        it holds every published table (and a few more, which the patch drops), and copying its
-        bytes costs a fraction of writing every table anew (at 1M rows ~2.3 GB of texts and
-        answers, ~23 s of CPU). False (nothing copied) when the state file is too much free space
-        to be worth copying, or cannot be checkpointed now. A write landing between the
-        checkpoint and the copy is not in the copy; the patch that follows brings it over."""
-        with self._connect() as con:
-            try:
-                con.execute("CHECKPOINT")
-                free, total = con.execute(
-                    "SELECT free_blocks, total_blocks FROM pragma_database_size() "
-                    "WHERE database_name = current_database()"
-                ).fetchall()[0]
-            except duckdb.Error as e:
-                log.info("%s: not copied to publish (%s)", self.path, " ".join(str(e).split()))
-                return False
-            if free > FREE_AT_MOST / 2 * max(total, 1):
-                return False
-            shutil.copyfile(self.path, tmp)
-        return True
 
     def _write_published(self, tmp: Path, showing: str | None, patch: bool) -> None:
         if patch:

@@ -219,33 +219,3 @@ def test_a_row_put_back_under_its_key_with_other_values_is_replaced(tmp_path: Pa
     assert con.execute("SELECT t FROM pub.units WHERE unit_id = 'u3'").fetchall() == [
         ("prepared again",)
     ]
-
-
-def test_a_first_publish_patches_a_copy_of_the_state_file(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """With no published file yet, the state file's own bytes are the start: the tables the
-    state keeps for itself are dropped, the views made, and the result is what a whole write
-    gives."""
-    caplog.set_level(logging.INFO, logger="lowtide.store.publish")
-    state = tmp_path / "state.duckdb"
-    store = Store(state)
-    _seed(store, "run1", "first")
-    db = store.publish(tmp_path / "pub.duckdb")
-    said = [r.getMessage() for r in caplog.records]
-    assert any(m.endswith(": patched") for m in said), said
-    assert not any("written whole" in m for m in said), said
-    con = duckdb.connect(str(state), read_only=True)
-    con.execute(f"ATTACH '{db}' AS pub (READ_ONLY)")
-    tables = {
-        r[0]
-        for r in con.execute(
-            "SELECT table_name FROM duckdb_tables() WHERE database_name = 'pub'"
-        ).fetchall()
-    }
-    assert "chunk_cuts" not in tables  # the state's own memo of cuts stays in the state
-    assert {"runs", "results", "units", "requests", "src_my_job-rows"} <= tables
-    assert all(_same(con, f'"{t}"') for t in tables)
-    assert con.execute("SELECT label, status FROM pub.my_job").fetchall() == [
-        ("first", "succeeded")
-    ]
