@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Final, TypeVar
 
 import polars as pl
 import pyarrow.parquet as pq
@@ -33,7 +33,7 @@ def file_slices(
         yield (scan if columns is None else scan.select(columns)).slice(offset, rows).collect()
 
 
-WORK_FILE_COMPRESSION = "uncompressed"
+WORK_FILE_COMPRESSION: Final = "uncompressed"
 """How the files a run hands from stage to stage are written (polars' name; pyarrow's is
 `none`). They live for one run and are read back once or twice: compressing their texts cost
 six times the CPU of writing them plain (0.84 s against 0.13 s per 100k rows, snappy), and

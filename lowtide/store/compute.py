@@ -9,6 +9,7 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import polars as pl
@@ -37,7 +38,7 @@ def sha256_hex(values: pl.Series) -> pl.Series:
     return pl.Series(values.name, keys).cast(pl.String)
 
 
-def _duckdb_type(dtype: pl.DataType) -> str:
+def _duckdb_type(dtype: Any) -> str:
     """A polars type as DuckDB spells it (the types result lines are read with)."""
     if isinstance(dtype, pl.Struct):
         fields = ", ".join(f"{ident(f.name)} {_duckdb_type(f.dtype)}" for f in dtype.fields)
@@ -55,7 +56,7 @@ _LARGEST_LINE = 1 << 30
 """Bytes one JSON line may hold (DuckDB's reader refuses longer objects; its default is 16 MB)."""
 
 
-def json_lines(content: bytes, schema: Mapping[str, pl.DataType]) -> pl.DataFrame:
+def json_lines(content: bytes, schema: Mapping[str, Any]) -> pl.DataFrame:
     """JSON lines → a frame of `schema` (nested structs and lists typed as given; fields not in
     it ignored, absent ones null). DuckDB's reader: on provider result files it needs a
     fourteenth of the CPU polars' `read_ndjson` does, for the same frame. ValueError naming the
