@@ -1,5 +1,4 @@
-"""How DuckDB's and polars' allocators give memory back: within about a second, by a thread of
-their own.
+"""How DuckDB's and polars' allocators give memory back: at once.
 
 Each links its own jemalloc, which keeps freed pages a while (up to seconds) to reuse them. A
 run frees big slices stage after stage, so both kept hundreds of MiB that were no longer in use
@@ -10,17 +9,18 @@ library reads its setting once, when it starts, so they are set on importing low
 either loads (a process that imports polars first keeps polars' own), and processes lowtide
 starts inherit them; a value the user set is kept.
 
-Handing pages back at every free (`dirty_decay_ms:0`) cost system time: a 100,000-row first
-night spent 23.5 s of CPU (7.4 of it in the kernel) against 19.9 with jemalloc's own 10 s (peak
-1.06 against 1.35 GB). jemalloc's background thread returns what stayed unused for a second in
-batches instead: 20.8-22.4 s, peak 1.09-1.12 GB (measured on the same machine).
+Handing pages back at every free costs system time (a 100,000-row first night: 23.5 s of CPU,
+7.4 of it in the kernel, against 19.9 s with jemalloc's own 10 s). jemalloc's background
+thread with a 1 s decay (`background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0`) took
+that night to 20.8-22.4 s, but at 1M rows the first night peaked at 2.23 GB (reconcile) against
+1.91 with pages handed back at once: the 2 GB target wins, so they still go back at once.
 """
 
 from __future__ import annotations
 
 import os
 
-RETURN_FREED_PAGES = "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0"
+RETURN_FREED_PAGES = "dirty_decay_ms:0,muzzy_decay_ms:0"
 
 for variable in ("DUCKDB_JE_MALLOC_CONF", "_RJEM_MALLOC_CONF"):  # DuckDB's, then polars'
     os.environ.setdefault(variable, RETURN_FREED_PAGES)
