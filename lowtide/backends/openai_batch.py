@@ -22,8 +22,8 @@ from lowtide.backends.base import (
 from lowtide.backends.keys import require_key
 from lowtide.backends.wire import EMULATOR_FINGERPRINT, is_transient_status
 from lowtide.errors import InputFileGoneError
+from lowtide.json_lines import json_lines
 from lowtide.request_lines import jsonl_payload
-from lowtide.store.compute import json_lines
 
 T = TypeVar("T")
 

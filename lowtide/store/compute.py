@@ -5,18 +5,16 @@ Kept in the store package because it is SQL; it never opens the state file.
 
 from __future__ import annotations
 
-import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import duckdb
 import polars as pl
 
 from lowtide.errors import InputError
 from lowtide.interrupts import kept_through_duckdb
-from lowtide.store._sql import ident, literal
+from lowtide.store._sql import ident
 
 
 @contextmanager
@@ -36,49 +34,6 @@ def sha256_hex(values: pl.Series) -> pl.Series:
         con.register("v", pl.DataFrame({"v": values}))
         keys = con.sql("SELECT sha256(v) AS k FROM v").to_arrow_table().column("k")
     return pl.Series(values.name, keys).cast(pl.String)
-
-
-def _duckdb_type(dtype: Any) -> str:
-    """A polars type as DuckDB spells it (the types result lines are read with)."""
-    if isinstance(dtype, pl.Struct):
-        fields = ", ".join(f"{ident(f.name)} {_duckdb_type(f.dtype)}" for f in dtype.fields)
-        return f"STRUCT({fields})"
-    if isinstance(dtype, pl.List):
-        return f"{_duckdb_type(dtype.inner)}[]"
-    names = {pl.String: "VARCHAR", pl.Int64: "BIGINT", pl.Float64: "DOUBLE", pl.Boolean: "BOOLEAN"}
-    for kind, name in names.items():
-        if dtype == kind:
-            return name
-    raise TypeError(f"no DuckDB type for {dtype}")
-
-
-_LARGEST_LINE = 1 << 30
-"""Bytes one JSON line may hold (DuckDB's reader refuses longer objects; its default is 16 MB)."""
-
-
-def json_lines(content: bytes, schema: Mapping[str, Any]) -> pl.DataFrame:
-    """JSON lines → a frame of `schema` (nested structs and lists typed as given; fields not in
-    it ignored, absent ones null). DuckDB's reader: on provider result files it needs a
-    fourteenth of the CPU polars' `read_ndjson` does, for the same frame. ValueError naming the
-    problem when a line is not JSON of those types."""
-    columns = (
-        "{"
-        + ", ".join(f"{literal(k)}: {literal(_duckdb_type(v))}" for k, v in schema.items())
-        + "}"
-    )
-    with tempfile.NamedTemporaryFile(suffix=".jsonl") as f, _calculator() as con:
-        f.write(content)
-        f.flush()
-        try:
-            table = con.sql(
-                f"SELECT * FROM read_json({literal(f.name)}, format = 'newline_delimited', "
-                f"columns = {columns}, maximum_object_size = {_LARGEST_LINE})"
-            ).to_arrow_table()
-        except duckdb.Error as e:
-            raise ValueError(f"unreadable JSON lines: {' '.join(str(e).split())}") from e
-    frame = pl.from_arrow(table)
-    assert isinstance(frame, pl.DataFrame)
-    return frame
 
 
 def md5_hex(values: pl.Series) -> pl.Series:

@@ -3,7 +3,7 @@
 import polars as pl
 import pytest
 
-from lowtide.store.compute import json_lines
+from lowtide.json_lines import json_lines
 
 SCHEMA = {
     "custom_id": pl.String,

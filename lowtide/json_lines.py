@@ -1,0 +1,61 @@
+"""JSON lines into a typed polars frame, read by DuckDB's JSON reader.
+
+On provider result files polars' `read_ndjson` with a nested schema took 7.5 s of CPU per
+100,000 lines (91 MB); DuckDB's reader, given the same types, 0.3-0.5 s for an identical frame.
+No SQL and no state file: the reader is called through DuckDB's Python API on an in-memory
+connection of its own, so backends may use it.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping
+from typing import Any
+
+import duckdb
+import polars as pl
+
+from lowtide.interrupts import kept_through_duckdb
+
+_LARGEST_LINE = 1 << 30
+"""Bytes one JSON line may hold (DuckDB's reader refuses longer objects; its default is 16 MB)."""
+
+_SCALARS = {pl.String: "VARCHAR", pl.Int64: "BIGINT", pl.Float64: "DOUBLE", pl.Boolean: "BOOLEAN"}
+
+
+def duckdb_type(dtype: Any) -> str:
+    """A polars type as DuckDB spells it (nested structs and lists included)."""
+    if isinstance(dtype, pl.Struct):
+        fields = ", ".join(
+            '"' + f.name.replace('"', '""') + '" ' + duckdb_type(f.dtype) for f in dtype.fields
+        )
+        return f"STRUCT({fields})"
+    if isinstance(dtype, pl.List):
+        return f"{duckdb_type(dtype.inner)}[]"
+    for kind, name in _SCALARS.items():
+        if dtype == kind:
+            return name
+    raise TypeError(f"no DuckDB type for {dtype}")
+
+
+def json_lines(content: bytes, schema: Mapping[str, Any]) -> pl.DataFrame:
+    """JSON lines → a frame of `schema` (nested structs and lists typed as given; fields not in
+    it ignored, absent ones null). ValueError naming the problem when a line is not JSON of
+    those types; Ctrl-C while it reads stays Ctrl-C."""
+    columns = {name: duckdb_type(dtype) for name, dtype in schema.items()}
+    con = duckdb.connect()
+    try:
+        with kept_through_duckdb():
+            table = con.read_json(
+                io.BytesIO(content),
+                columns=columns,
+                format="newline_delimited",
+                maximum_object_size=_LARGEST_LINE,
+            ).to_arrow_table()
+    except duckdb.Error as e:
+        raise ValueError(f"unreadable JSON lines: {' '.join(str(e).split())}") from e
+    finally:
+        con.close()
+    frame = pl.from_arrow(table)
+    assert isinstance(frame, pl.DataFrame)
+    return frame
