@@ -8,6 +8,9 @@ is asked (by lowtide's metadata tag) before anything is created.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from lowtide import prepared_lines
 from lowtide.backends.base import Backend, BatchStatus, TerminalBackendError
 from lowtide.context import RunContext
 from lowtide.crashpoints import crash_point
@@ -17,8 +20,11 @@ from lowtide.runlog import stage_log
 from lowtide.store import Store
 
 
-def submit_batch(store: Store, backend: Backend, batch_id: str) -> str:
-    """Make sure `batch_id` exists at the provider exactly once; returns the provider batch id."""
+def submit_batch(
+    store: Store, backend: Backend, batch_id: str, work_dir: Path | None = None
+) -> str:
+    """Make sure `batch_id` exists at the provider exactly once; returns the provider batch id.
+    With `work_dir`, the lines `prepared_lines.prepare` wrote there are sent, if complete."""
     row = store.batch(batch_id)
     if row["provider_batch_id"]:
         return row["provider_batch_id"]
@@ -34,7 +40,8 @@ def submit_batch(store: Store, backend: Backend, batch_id: str) -> str:
         if found:
             store.record_created(batch_id, found)
             return found
-    lines = store.batch_lines(batch_id)
+    prepared = prepared_lines.read(work_dir, batch_id, row["n_requests"]) if work_dir else None
+    lines = prepared if prepared is not None else store.batch_lines(batch_id)
     if row["status"] == BatchStatus.PENDING.value:
         input_file_id = backend.upload(batch_id, lines)
         # recorded even for providers without an upload step (None): from here on a create call
@@ -51,7 +58,19 @@ def submit_batch(store: Store, backend: Backend, batch_id: str) -> str:
         provider_id = backend.create(batch_id, input_file_id, lines)
     crash_point("after_create")
     store.record_created(batch_id, provider_id)
+    if work_dir:
+        prepared_lines.discard(work_dir, batch_id)
     return provider_id
+
+
+@task(name="submit", task_run_name="submit-lines-{run_id}")
+def prepare_lines_task(ctx: RunContext, run_id: str, batch_ids: list[str]) -> None:
+    """The lines of every batch about to be sent, from one pass over the store
+    (`prepared_lines`). Only a shortcut: without its files each send builds its own lines."""
+    try:
+        prepared_lines.prepare(ctx.store, ctx.work_dir(run_id), batch_ids)
+    except OSError as e:  # a full disk, say: sending works without the files
+        stage_log("submit", "request lines not prepared in %s: %s", ctx.work_dir(run_id), e)
 
 
 @task(
@@ -62,12 +81,12 @@ def submit_batch(store: Store, backend: Backend, batch_id: str) -> str:
     retry_jitter_factor=0.5,
     retry_condition_fn=retry_transient,
 )
-def submit_task(ctx: RunContext, batch_id: str) -> str | None:
+def submit_task(ctx: RunContext, batch_id: str, run_id: str) -> str | None:
     """Send one pending batch; returns its provider id. A batch the provider refuses for good
     ends failed with the reason (its requests become failed rows) and returns None."""
     store = ctx.store
     try:
-        provider_id = submit_batch(store, ctx.batch_client(), batch_id)
+        provider_id = submit_batch(store, ctx.batch_client(), batch_id, ctx.work_dir(run_id))
     except TerminalBackendError as e:
         store.fail_batch(batch_id, "rejected", str(e))
         stage_log("submit", "%s refused by %s: %s", batch_id, ctx.backend, e)

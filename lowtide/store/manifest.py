@@ -7,11 +7,13 @@ store each step's id; a batch with a provider id is never sent again.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import orjson
 import polars as pl
+import pyarrow as pa
 
 from lowtide.crashpoints import crash_point
 from lowtide.errors import LowtideError
@@ -386,6 +388,25 @@ class ManifestStore(Database):
                 params=[batch_id],
             ).to_arrow_table()
         return RequestLines(rows.column("line"))
+
+    def each_batch_lines(
+        self, batch_ids: list[str], sink: Callable[[pa.RecordBatch], None]
+    ) -> None:
+        """The lines of every batch in `batch_ids`, handed to `sink` as Arrow record batches of
+        (batch_id, custom_id, line) in no particular order: one join over `requests` for them
+        all, where `batch_lines` joins once per batch (each join scans the whole table: ~2 s of
+        CPU per 50,000-line batch once it holds a million requests)."""
+        with self._connect() as con:
+            con.register(
+                "wanted", pl.DataFrame({"batch_id": batch_ids}, schema={"batch_id": pl.String})
+            )
+            reader = con.sql(
+                f"SELECT br.batch_id, q.custom_id, {LINE_SQL} AS line FROM batch_requests br "
+                "JOIN wanted USING (batch_id) JOIN requests q USING (custom_id) "
+                "LEFT JOIN request_templates t USING (template_id)"
+            ).to_arrow_reader(INSERT_SLICE_ROWS)
+            for part in reader:
+                sink(part)
 
     def batch_members(self, batch_id: str) -> pl.DataFrame:
         return self._query("SELECT custom_id FROM batch_requests WHERE batch_id = ?", [batch_id])

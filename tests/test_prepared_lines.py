@@ -1,0 +1,73 @@
+"""Lines prepared for sending in one pass are the very bytes the store builds per batch, and a
+file that is missing, unfinished, stale or short is never sent in their place."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from lowtide import prepared_lines
+from lowtide.jobspec import load_job
+from lowtide.store import Store
+from tests.conftest import SAMPLE_JOB
+from tests.tasks.test_assemble import _manifest, _requests
+
+USERS = ['He said "hi"\n\tthen left 🙂', "Zoë\\n", "plain", "\x00\x1f ctrl", "€" * 300, ""] * 3
+
+
+@pytest.fixture
+def planned(tmp_path):
+    """A real store with a manifest of 18 requests in 6 batches of 3."""
+    store = Store(tmp_path / "state.duckdb")
+    batches = _manifest(load_job(SAMPLE_JOB), store, _requests(USERS), max_requests=3)
+    assert batches.height == 6
+    return store, batches, tmp_path / "work"
+
+
+def _counts(batches) -> dict[str, int]:
+    return dict(zip(batches["batch_id"], batches["n_requests"], strict=True))
+
+
+def test_prepared_lines_are_the_bytes_the_store_builds(planned) -> None:
+    store, batches, work = planned
+    prepared_lines.prepare(store, work, batches["batch_id"].to_list())
+    for batch_id, n in _counts(batches).items():
+        lines = prepared_lines.read(work, batch_id, n)
+        assert lines is not None, f"{batch_id}: no prepared lines"
+        assert lines.jsonl() == store.batch_lines(batch_id).jsonl()  # same lines, same order
+    assert sorted(p.name for p in (work / "lines").iterdir()) == sorted(
+        f"{b}.parquet" for b in batches["batch_id"]
+    )  # nothing unfinished left beside them
+
+
+def test_a_missing_short_or_unfinished_file_is_not_used(planned) -> None:
+    store, batches, work = planned
+    ids = batches["batch_id"].to_list()
+    prepared_lines.prepare(store, work, ids)
+    first, second, third = ids[:3]
+    assert prepared_lines.read(work, first, 4) is None  # the batch row says another count
+    prepared_lines.discard(work, second)
+    assert prepared_lines.read(work, second, 3) is None
+    done = work / "lines" / f"{third}.parquet"
+    done.rename(done.with_suffix(".partial"))  # as a crash mid-write leaves it
+    assert prepared_lines.read(work, third, 3) is None
+    (work / "lines" / f"{ids[3]}.parquet").write_bytes(b"PAR1 cut short")
+    assert prepared_lines.read(work, ids[3], 3) is None
+
+
+def test_an_earlier_attempts_file_is_replaced(planned) -> None:
+    store, batches, work = planned
+    ids = batches["batch_id"].to_list()
+    (work / "lines").mkdir(parents=True)
+    stale = pa.table({"custom_id": ["a", "b", "c"], "line": ["{}", "{}", "{}"]})
+    pq.write_table(stale, work / "lines" / f"{ids[0]}.parquet")
+    prepared_lines.prepare(store, work, ids)
+    lines = prepared_lines.read(work, ids[0], 3)
+    assert lines is not None and lines.jsonl() == store.batch_lines(ids[0]).jsonl()
+
+
+def test_a_single_batch_is_left_to_the_store(planned) -> None:
+    store, batches, work = planned
+    prepared_lines.prepare(store, work, batches["batch_id"].head(1).to_list())
+    assert not (work / "lines").exists()
