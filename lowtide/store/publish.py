@@ -24,6 +24,7 @@ from lowtide.store._sql import ident, json_path, literal, literal_list
 from lowtide.store.publish_delta import FREE_AT_MOST, refresh_tables
 from lowtide.store.runs import RunsStore
 from lowtide.store.sources import MEMBERS, content_table, source_table, source_view_sql
+from lowtide.store.state_copy import copy_at_checkpoint
 from lowtide.vocabulary import ANSWERED
 
 PIPELINE_TABLES = (
@@ -322,6 +323,23 @@ def _remove(tmp: Path) -> None:
             leftover.unlink()
 
 
+def _published(table: str) -> bool:
+    """Whether a table of the state file goes into the published file."""
+    return table in PIPELINE_TABLES or table.startswith("src_")
+
+
+def _published_only(pub: duckdb.DuckDBPyConnection) -> None:
+    """Drop every view, and every table `_published` leaves out, of a copy of the state file."""
+    here = "database_name = current_database()"
+    for (view,) in pub.execute(
+        f"SELECT view_name FROM duckdb_views() WHERE NOT internal AND {here}"
+    ).fetchall():
+        pub.execute(f"DROP VIEW {ident(view)}")
+    for (table,) in pub.execute(f"SELECT table_name FROM duckdb_tables() WHERE {here}").fetchall():
+        if not _published(table):
+            pub.execute(f"DROP TABLE {ident(table)}")
+
+
 def _previous(db_path: Path, tmp: Path) -> bool:
     """Copy the previous published file to `tmp` to be patched; False (nothing copied) when
     there is none, or it has a write-ahead log beside it (someone wrote to it: start afresh)."""
@@ -361,21 +379,41 @@ class PublishingStore(RunsStore):
         return db_path
 
     def _write_published(self, tmp: Path, showing: str | None, patch: bool) -> None:
-        if patch:
-            try:
-                self._write_tables(tmp, patch=True)
-                free = self._write_views(tmp, showing)
-                if free <= FREE_AT_MOST:
-                    log.info("%s: patched", tmp)
-                    return
-                why = f"{free:.0%} of it free space"
-            except duckdb.Error as e:  # the previous file cannot be patched (damaged, not DuckDB)
-                why = " ".join(str(e).split())
-            log.info("%s: not patched (%s); written whole", tmp, why)
-            _remove(tmp)
+        if patch and self._finished(tmp, showing, "patched", patch=True):
+            return
+        if self._snapshot(tmp) and self._finished(tmp, showing, "copied from the state file"):
+            return
         self._write_tables(tmp, patch=False)
         self._write_views(tmp, showing)
         log.info("%s: written whole", tmp)
+
+    def _finished(self, tmp: Path, showing: str | None, how: str, patch: bool = False) -> bool:
+        """Finish `tmp`, a copy of the previous published file (`patch`: its tables are brought
+        up to the state file's) or of the state file (trimmed to what is published), with the
+        views. False, removing it, when that fails (the copy is damaged, not DuckDB) or leaves
+        more than FREE_AT_MOST of it free space."""
+        try:
+            if patch:
+                self._write_tables(tmp, patch=True)
+            free = self._write_views(tmp, showing, trim=not patch)
+            if free <= FREE_AT_MOST:
+                log.info("%s: %s", tmp, how)
+                return True
+            why = f"{free:.0%} of it free space"
+        except duckdb.Error as e:
+            why = " ".join(str(e).split())
+        log.info("%s: not %s (%s)", tmp, how, why)
+        _remove(tmp)
+        return False
+
+    def _snapshot(self, tmp: Path) -> bool:
+        """Copy the state file to `tmp` (`copy_at_checkpoint`); False, leaving nothing at
+        `tmp`, when the copy might not be one state of it."""
+        with self._connect() as con:
+            copied = copy_at_checkpoint(con, self.path, tmp)
+        if not copied:
+            _remove(tmp)
+        return copied
 
     def _write_tables(self, tmp: Path, patch: bool) -> None:
         """Every pipeline and sources table of the state file into `tmp`: patched where `tmp`
@@ -389,7 +427,7 @@ class PublishingStore(RunsStore):
                         "SELECT table_name FROM duckdb_tables() "
                         "WHERE database_name = current_database()"
                     ).fetchall()
-                    if r[0] in PIPELINE_TABLES or r[0].startswith("src_")
+                    if _published(r[0])
                 )
                 if patch:
                     added_to_only = dict(ADDED_TO_ONLY)
@@ -407,9 +445,10 @@ class PublishingStore(RunsStore):
             finally:
                 con.execute("DETACH pub")
 
-    def _write_views(self, tmp: Path, showing: str | None) -> float:
+    def _write_views(self, tmp: Path, showing: str | None, trim: bool = False) -> float:
         """The views of every job in `tmp`, then a checkpoint; returns the share of the file
-        that is free space."""
+        that is free space. `trim`: `tmp` is a copy of the state file; drop what analysts are
+        not given first (its views, the tables `_published` leaves out)."""
         jobs = self.job_views()
         shown = {job["job"]: self._scalar(shown_run_sql(job["job"], showing)) for job in jobs}
         merged = {
@@ -418,6 +457,8 @@ class PublishingStore(RunsStore):
         }
         pub = duckdb.connect(str(tmp))
         try:
+            if trim:
+                _published_only(pub)
             pub.execute(ROW_COSTS_VIEW)
             for job in jobs:
                 has_src = pub.execute(
