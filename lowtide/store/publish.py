@@ -353,16 +353,17 @@ class PublishingStore(RunsStore):
     def publish(self, db_path: str | Path, showing: str | None = None) -> Path:
         """Write a new published file from the state file and swap it in atomically; every
         job in the state file gets its typed views of its shown run (`showing` counts as
-        published: mark it so once this returns). The new file starts as a copy of the previous
-        one, patched with what changed (`publish_delta`), or is written whole when there is
-        none. PublishError, naming the published file, when it cannot be written: the previous
+        published: mark it so once this returns). The new file starts as a copy of the state
+        file taken at a checkpoint (`state_copy`), without the tables only the state keeps;
+        when no such copy can be taken, as a copy of the previous published file patched with
+        what changed (`publish_delta`); else it is written whole. PublishError, naming the published file, when it cannot be written: the previous
         file is then left as it was."""
         db_path = Path(db_path)
         tmp = db_path.with_name(f".{db_path.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
             db_path.parent.mkdir(parents=True, exist_ok=True)
             with kept_through_duckdb():  # the published file's own connection too
-                self._write_published(tmp, showing, _previous(db_path, tmp))
+                self._write_published(db_path, tmp, showing)
             os.replace(tmp, db_path)
             # a log someone left beside the previous file belongs to it, not to this one (DuckDB
             # would refuse to open the new file with it)
@@ -378,10 +379,12 @@ class PublishingStore(RunsStore):
             raise
         return db_path
 
-    def _write_published(self, tmp: Path, showing: str | None, patch: bool) -> None:
-        if patch and self._finished(tmp, showing, "patched", patch=True):
-            return
+    def _write_published(self, db_path: Path, tmp: Path, showing: str | None) -> None:
+        """`tmp` is a copy of the state file (trimmed to what is published), else a copy of
+        the previous published file patched with what changed, else written table by table."""
         if self._snapshot(tmp) and self._finished(tmp, showing, "copied from the state file"):
+            return
+        if _previous(db_path, tmp) and self._finished(tmp, showing, "patched", patch=True):
             return
         self._write_tables(tmp, patch=False)
         self._write_views(tmp, showing)

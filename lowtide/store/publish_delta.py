@@ -1,5 +1,9 @@
 """Bring a copy of the last published file up to the state file, writing only what changed.
 
+A publish first tries a plain copy of the state file itself (`state_copy`); this is the way
+when that copy cannot be taken (the state file changed while it was copied) or would be more
+than a fifth free space.
+
 Rebuilding the published file copied every table in full each night, so publishing cost grew
 with the job's whole history. Instead, `publish` copies the previous file (a plain file copy)
 and, per table, deletes the rows the state file no longer has and inserts the ones it gained,
