@@ -201,7 +201,9 @@ MIGRATIONS.append(
             mid VARCHAR NOT NULL,
             tail VARCHAR NOT NULL
         );
-        ALTER TABLE requests ADD COLUMN user_message VARCHAR;
+        -- zstd, not DuckDB's own pick (DICT_FSST): per 100k messages 0.9 s less CPU to store,
+        -- 0.25 s more to read once, 13 MB less; files made before this keep their pick
+        ALTER TABLE requests ADD COLUMN user_message VARCHAR USING COMPRESSION zstd;
         ALTER TABLE requests ADD COLUMN template_id VARCHAR;
         ALTER TABLE requests ALTER COLUMN line DROP NOT NULL;  -- only for lines sent as they are
         """,
