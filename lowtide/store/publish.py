@@ -329,13 +329,18 @@ def _published(table: str) -> bool:
 
 
 def _published_only(pub: duckdb.DuckDBPyConnection) -> None:
-    """Drop every view, and every table `_published` leaves out, of a copy of the state file."""
-    here = "database_name = current_database()"
-    for (view,) in pub.execute(
-        f"SELECT view_name FROM duckdb_views() WHERE NOT internal AND {here}"
+    """Drop every view, schema but `main`, and table `_published` leaves out, of a copy of the
+    state file."""
+    here = "database_name = current_database() AND NOT internal"
+    for (schema,) in pub.execute(
+        f"SELECT schema_name FROM duckdb_schemas() WHERE {here} AND schema_name <> 'main'"
     ).fetchall():
+        pub.execute(f"DROP SCHEMA {ident(schema)} CASCADE")
+    for (view,) in pub.execute(f"SELECT view_name FROM duckdb_views() WHERE {here}").fetchall():
         pub.execute(f"DROP VIEW {ident(view)}")
-    for (table,) in pub.execute(f"SELECT table_name FROM duckdb_tables() WHERE {here}").fetchall():
+    for (table,) in pub.execute(
+        f"SELECT table_name FROM duckdb_tables() WHERE {here} AND schema_name = 'main'"
+    ).fetchall():
         if not _published(table):
             pub.execute(f"DROP TABLE {ident(table)}")
 
@@ -356,8 +361,8 @@ class PublishingStore(RunsStore):
         published: mark it so once this returns). The new file starts as a copy of the state
         file taken at a checkpoint (`state_copy`), without the tables only the state keeps;
         when no such copy can be taken, as a copy of the previous published file patched with
-        what changed (`publish_delta`); else it is written whole. PublishError, naming the published file, when it cannot be written: the previous
-        file is then left as it was."""
+        what changed (`publish_delta`); else it is written whole. PublishError, naming the
+        published file, when it cannot be written: the previous file is then left as it was."""
         db_path = Path(db_path)
         tmp = db_path.with_name(f".{db_path.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:

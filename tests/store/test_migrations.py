@@ -115,7 +115,7 @@ def test_results_from_before_engines_are_credited_to_their_runs_backend(tmp_path
     migrations.current_version(con)
     for number, description, sql in migrations.MIGRATIONS:
         if number < step:
-            con.execute(sql)
+            sql(con) if callable(sql) else con.execute(sql)
             con.execute("INSERT INTO schema_version VALUES (?, ?, now())", [number, description])
     for run_id, backend, model in (("a", "emulator", "gpt-4o-mini"), ("b", "openai", "gpt-4o")):
         con.execute(
@@ -133,3 +133,33 @@ def test_results_from_before_engines_are_credited_to_their_runs_backend(tmp_path
     engines = dict(query(store, "SELECT run_id, engine FROM results ORDER BY 1").iter_rows())
     assert engines == {"a": "emulator", "b": "openai:gpt-4o"}
     assert scalar(store, "SELECT max(version) FROM schema_version") == migrations.LATEST
+
+
+@pytest.mark.parametrize(
+    ("storage_version", "compressions"),
+    [(None, {"ZSTD"}), ("v1.0.0", None)],  # None: DuckDB's own pick, whatever it is
+)
+def test_request_messages_are_zstd_where_the_file_format_allows_it(
+    tmp_path: Path, storage_version: str | None, compressions: set[str] | None
+) -> None:
+    """A file in DuckDB's older storage format cannot be told a column's compression: it is
+    migrated all the same, and keeps DuckDB's pick."""
+    con = duckdb.connect()
+    option = f" (STORAGE_VERSION '{storage_version}')" if storage_version else ""
+    con.execute(f"ATTACH '{tmp_path / 'state.duckdb'}' AS state{option}")
+    con.execute("USE state")
+    assert migrations.apply(con) == migrations.LATEST
+    con.execute(
+        "INSERT INTO requests (custom_id, request_key, job, model, first_run_id, created_at, "
+        "user_message) SELECT 'c' || i, 'k' || i, 'j', 'm', 'r', now(), "
+        "repeat('a message of some length ', 8) || i FROM range(5000) t(i)"
+    )
+    con.execute("CHECKPOINT")
+    used = {
+        r[0]
+        for r in con.execute(
+            "SELECT compression FROM pragma_storage_info('requests') "
+            "WHERE column_name = 'user_message' AND segment_type = 'VARCHAR'"
+        ).fetchall()
+    }
+    assert used and (compressions is None or used == compressions)

@@ -15,17 +15,23 @@ from lowtide.store.publish_delta import refresh_tables
 from tests.store.test_publish import _seed
 
 
-def _written_during_every_copy(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Another thread commits while each copy of the state file is taken: no copy can be
-    trusted to be one state of it, so publishing falls back to patching the previous file."""
-    real_copy = state_copy.shutil.copyfile
+def _written_during_every_copy(
+    store: Store, monkeypatch: pytest.MonkeyPatch, checkpointed: bool = False
+) -> None:
+    """Another thread commits while each copy of the state file is taken (and, `checkpointed`,
+    checkpoints it too, emptying the log): no copy can be trusted to be one state of it, so
+    publishing falls back to patching the previous file."""
+    real_copy = state_copy.copyfile
     commits = itertools.count(1)
 
     def copy_while_another_thread_commits(src: Path, dst: Path) -> None:
         real_copy(src, dst)  # (a commit that changes nothing writes nothing: a new value each)
         store.set_metrics("elsewhere", {"written_during_the_copy": float(next(commits))})
+        if checkpointed:
+            with store._connect() as con:
+                con.execute("CHECKPOINT")
 
-    monkeypatch.setattr(state_copy.shutil, "copyfile", copy_while_another_thread_commits)
+    monkeypatch.setattr(state_copy, "copyfile", copy_while_another_thread_commits)
 
 
 def _pair(tmp_path: Path) -> duckdb.DuckDBPyConnection:
@@ -270,16 +276,21 @@ def test_a_first_publish_is_a_copy_of_the_state_file_without_its_own_tables(
     assert con.execute("SELECT label FROM pub.my_job").fetchall() == [("first",)]
 
 
+@pytest.mark.parametrize("checkpointed", [False, True])
 def test_a_state_file_written_while_it_is_copied_is_published_whole(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    checkpointed: bool,
 ) -> None:
-    """Another thread's commit lands in the middle of the copy: the copy may hold half of it,
-    so it is thrown away and (no previous file to patch) the file written from the tables."""
+    """Another thread's commit lands in the middle of the copy (and, `checkpointed`, reaches
+    the file itself, leaving no log behind): the copy may hold half of it, so it is thrown away
+    and (no previous file to patch) the file written from the tables."""
     caplog.set_level(logging.INFO, logger="lowtide.store.publish")
     state = tmp_path / "state.duckdb"
     store = Store(state)
     _seed(store, "run1", "first")
-    _written_during_every_copy(store, monkeypatch)
+    _written_during_every_copy(store, monkeypatch, checkpointed)
     db = store.publish(tmp_path / "pub.duckdb")
     messages = [r.getMessage() for r in caplog.records]
     assert not any(m.endswith(": copied from the state file") for m in messages)
@@ -289,6 +300,42 @@ def test_a_state_file_written_while_it_is_copied_is_published_whole(
     assert con.execute(  # the commit that spoiled the copy is in the file written instead
         "SELECT value FROM metrics WHERE name = 'written_during_the_copy'"
     ).fetchall() == [(1.0,)]
+    assert con.execute("SELECT label FROM my_job").fetchall() == [("first",)]
+
+
+def test_a_copy_that_fails_falls_back_to_writing_the_file_whole(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills while the state file is copied: the half copy goes, and the file is
+    written from the tables (smaller than the state file: it may still fit)."""
+    caplog.set_level(logging.INFO, logger="lowtide.store.publish")
+    store = Store(tmp_path / "state.duckdb")
+    _seed(store, "run1", "first")
+
+    def disk_full(src: Path, dst: Path) -> None:
+        Path(dst).write_bytes(b"half a copy")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(state_copy, "copyfile", disk_full)
+    db = store.publish(tmp_path / "pub.duckdb")
+    assert any(r.getMessage().endswith(": written whole") for r in caplog.records)
+    assert not list(tmp_path.glob(".pub.duckdb.*"))
+    con = duckdb.connect(str(db), read_only=True)
+    assert con.execute("SELECT label FROM my_job").fetchall() == [("first",)]
+
+
+def test_a_state_file_reached_through_a_link_is_copied(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its logs lie beside the file the link names, which is what is checked and copied."""
+    caplog.set_level(logging.INFO, logger="lowtide.store.publish")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "state.duckdb").symlink_to(tmp_path / "data" / "state.duckdb")
+    store = Store(tmp_path / "state.duckdb")
+    _seed(store, "run1", "first")
+    db = store.publish(tmp_path / "pub.duckdb")
+    assert any(r.getMessage().endswith(": copied from the state file") for r in caplog.records)
+    con = duckdb.connect(str(db), read_only=True)
     assert con.execute("SELECT label FROM my_job").fetchall() == [("first",)]
 
 
