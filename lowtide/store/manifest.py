@@ -79,7 +79,7 @@ class ManifestStore(Database):
         """The run's units; with `carried_from`, also that run's row units of the input rows in
         `carried` (source_id), copied as cache hits (`CarryStore.unchanged_answered_rows`)."""
         with self._transaction() as con:
-            self._make_room(con, units.height + (carried.height if carried is not None else 0))
+            # no key on units (migration 16): the run's units are replaced whole
             con.register("incoming", units)
             con.execute("DELETE FROM units WHERE run_id = ?", [run_id])
             con.execute(
@@ -162,15 +162,17 @@ class ManifestStore(Database):
         ):
             raise LowtideError("write_manifest: requests carry no line, no message and no file")
         insert = (
-            "INSERT OR IGNORE INTO requests BY NAME SELECT custom_id, request_key, job, model, "
+            "INSERT INTO requests BY NAME SELECT custom_id, request_key, job, model, "
             f"?::VARCHAR AS first_run_id, est_input_tokens, now() AS created_at{optional} "
         )
+        # no key on requests (migration 16): a request stored already is kept as it is
+        stored_kept = " ANTI JOIN requests USING (custom_id)"
         if messages is not None:
-            self._insert_with_messages(requests, messages, insert, run_id)
+            self._insert_with_messages(requests, messages, insert, stored_kept, run_id)
         with self._transaction() as con:
-            self._make_room(con, members.height + (0 if messages else requests.height))
+            self._make_room(con, 0 if messages else requests.height)  # the requests' index
             if messages is None:
-                insert_in_slices(con, requests, insert + "FROM incoming", [run_id])
+                insert_in_slices(con, requests, insert + "FROM incoming" + stored_kept, [run_id])
             con.register("bat", batches)
             con.register("mem", members)
             con.execute(
@@ -179,10 +181,12 @@ class ManifestStore(Database):
                 "now() AS created_at, now() AS updated_at FROM bat",
                 [run_id, BatchStatus.PENDING.value],
             )
-            con.execute("INSERT OR IGNORE INTO batch_requests SELECT batch_id, custom_id FROM mem")
+            # no key on batch_requests (migration 16): a plan names each request once, and a
+            # batch row that exists already refuses this whole transaction
+            con.execute("INSERT INTO batch_requests SELECT batch_id, custom_id FROM mem")
 
     def _insert_with_messages(
-        self, requests: pl.DataFrame, messages: str | Path, insert: str, run_id: str
+        self, requests: pl.DataFrame, messages: str | Path, insert: str, kept: str, run_id: str
     ) -> None:
         """The requests' rows, each with its message from the file `messages`."""
         with self._connect() as con:
@@ -200,10 +204,10 @@ class ManifestStore(Database):
                 "file from the input"
             )
         with self.held():  # detached after each slice, its checkpoints cost a third more CPU
-            self._insert_slices(requests, messages, insert, run_id)
+            self._insert_slices(requests, messages, insert, kept, run_id)
 
     def _insert_slices(
-        self, requests: pl.DataFrame, messages: str | Path, insert: str, run_id: str
+        self, requests: pl.DataFrame, messages: str | Path, insert: str, kept: str, run_id: str
     ) -> None:
         for part in file_slices(messages, INSERT_SLICE_ROWS, ["custom_id", "user"]):
             with self._transaction() as con:
@@ -212,7 +216,7 @@ class ManifestStore(Database):
                 con.register("message", part)
                 con.execute(
                     insert + ", m.user AS user_message "
-                    "FROM incoming JOIN message m USING (custom_id)",
+                    "FROM incoming JOIN message m USING (custom_id)" + kept,
                     [run_id],
                 )
             crash_point("mid_manifest")

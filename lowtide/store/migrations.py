@@ -191,15 +191,20 @@ MIGRATIONS.append(
 )
 
 
-def _messages_kept_apart(con: duckdb.DuckDBPyConnection) -> None:
-    # zstd, not DuckDB's own pick (DICT_FSST): per 100k messages 0.9 s less CPU to store, 0.25 s
-    # more to read once, 13 MB less. Only a file in DuckDB's 2.x storage format can be told
-    # which compression to use; an older file keeps DuckDB's pick.
+def _storage_takes_compression(con: duckdb.DuckDBPyConnection) -> bool:
+    """Whether the file is in DuckDB's 2.x storage format, the one that can be told which
+    compression a column uses (a v1.0.0 file refuses the clause)."""
     storage = con.execute(
         "SELECT tags['storage_version'] FROM duckdb_databases() "
         "WHERE database_name = current_database()"
     ).fetchall()
-    compressed = " USING COMPRESSION zstd" if str(storage[0][0] or "").startswith("v2.") else ""
+    return str(storage[0][0] or "").startswith("v2.")
+
+
+def _messages_kept_apart(con: duckdb.DuckDBPyConnection) -> None:
+    # zstd, not DuckDB's own pick (DICT_FSST): per 100k messages 0.9 s less CPU to store, 0.25 s
+    # more to read once, 13 MB less. An older file keeps DuckDB's pick.
+    compressed = " USING COMPRESSION zstd" if _storage_takes_compression(con) else ""
     con.execute(
         f"""
         CREATE TABLE request_templates (
@@ -368,6 +373,59 @@ MIGRATIONS.append(
         """,
     )
 )
+
+
+_UNKEYED = {
+    "results": {},
+    "batch_requests": {},
+    "requests": {"user_message": "zstd"},
+    "units": {},
+}
+"""The tables migration 16 rebuilds without their primary key, with the compression a column
+keeps (where the file's format can be told)."""
+
+
+def _keyed_by_lowtide(con: duckdb.DuckDBPyConnection) -> None:
+    # lowtide is the one writer of these tables and keeps one row per key itself: results by a
+    # delete and an anti join per upsert, requests by an anti join, batch members by writing a
+    # batch's members once, with the batch row, whose own key refuses a second manifest, units
+    # by replacing a run's units whole (a carried unit's input row is not chunked again). Their
+    # indexes cost more than they guarded (1M rows in 50,000-row transactions: results 13.8 →
+    # 8.5 s of CPU and 96 → 42 MB, batch members 4.2 → 1.3 s and 137 → 28 MB, requests ~6.5 s
+    # less), and were held in memory whenever the file took rows.
+    compress = _storage_takes_compression(con)
+    for table, compression in _UNKEYED.items():
+        columns = con.execute(
+            "SELECT column_name, data_type, is_nullable FROM information_schema.columns "
+            "WHERE table_catalog = current_database() AND table_schema = 'main' "
+            "AND table_name = ? ORDER BY ordinal_position",
+            [table],
+        ).fetchall()
+        ddl = ", ".join(
+            f"{name} {kind}"
+            + (" NOT NULL" if nullable == "NO" else "")
+            + (
+                f" USING COMPRESSION {compression[name]}"
+                if compress and name in compression
+                else ""
+            )
+            for name, kind, nullable in columns
+        )
+        con.execute(f"CREATE TABLE {table}_unkeyed ({ddl})")
+        con.execute(f"INSERT INTO {table}_unkeyed SELECT * FROM {table}")
+        con.execute(f"DROP TABLE {table}")
+        con.execute(f"ALTER TABLE {table}_unkeyed RENAME TO {table}")
+
+
+MIGRATIONS.append(
+    (
+        16,
+        "results, requests, batch members and units without a primary key: lowtide keeps one "
+        "row per key itself",
+        _keyed_by_lowtide,
+    )
+)
+
 
 LATEST = MIGRATIONS[-1][0]
 

@@ -84,8 +84,6 @@ class ShardStore(Store):
         expired and collected, and the new shard rows (`pending`, with their file URLs) and
         members are written."""
         with self._transaction() as con:
-            # the retired members' keys stay in the index until the commit, beside the new ones
-            self._make_room(con, members.height)
             con.register("retired", pl.DataFrame({"batch_id": retire}, schema={"batch_id": str}))
             con.register("bat", batches)
             con.register("mem", members)
@@ -103,7 +101,9 @@ class ShardStore(Store):
                 "n_bytes, false AS collected, now() AS created_at, now() AS updated_at FROM bat",
                 [run_id, BatchStatus.PENDING.value],
             )
-            con.execute("INSERT OR IGNORE INTO batch_requests SELECT batch_id, custom_id FROM mem")
+            # no key on batch_requests (migration 16): a plan names each request once, and a
+            # batch row that exists already refuses this whole transaction
+            con.execute("INSERT INTO batch_requests SELECT batch_id, custom_id FROM mem")
 
     def record_shard_written(self, batch_id: str, provider_batch_id: str) -> None:
         """The shard's input file is complete: from here on a runner may answer it."""

@@ -30,6 +30,16 @@ def _requests(n: int, message: str = "") -> pl.DataFrame:
     )
 
 
+def _cuts(n: int) -> pl.DataFrame:
+    """`n` remembered chunk cuts (a keyed table), each of its own text."""
+    return pl.select(pl.int_range(n).alias("i")).select(
+        ("m" + pl.col("i").cast(pl.String)).alias("text_md5"),
+        pl.lit([0], pl.List(pl.Int32)).alias("starts"),
+        pl.lit([1], pl.List(pl.Int32)).alias("lengths"),
+        pl.lit([1], pl.List(pl.Int32)).alias("tokens"),
+    )
+
+
 def _cap_mib_of(said: str) -> float:
     number, unit = said.split()
     return float(number) * {"KiB": 1 / 1024, "MiB": 1, "GiB": 1024, "TiB": 1024**2}[unit]
@@ -61,9 +71,12 @@ def test_the_cap_starts_at_the_base_and_grows_with_keyed_rows(
     store = Store(tmp_path / "state.duckdb")
     threads = _threads(store)
     assert _cap_mib(store) == memory.PER_THREAD_MB * threads
-    _manifest(store, "r1", _requests(100_000))  # 100k requests and 100k batch members
-    keyed = scalar(store, "SELECT (SELECT count(*) FROM requests) + count(*) FROM batch_requests")
-    assert keyed == 200_000
+    # requests, batch members, units and results are kept unique by lowtide (migration 16);
+    # remembered chunk cuts are keyed
+    store.remember_chunk_cuts("v1:budget", _cuts(100_000), "v1")
+    _manifest(store, "r1", _requests(100_000))  # adds nothing keyed
+    keyed = scalar(store, "SELECT count(*) FROM chunk_cuts")
+    assert keyed == 100_000
     # the next attach sees the grown file and counts again (whole MiB; DuckDB's statistics
     # may round)
     expected = memory.PER_THREAD_MB * threads + keyed * memory.BYTES_PER_KEYED_ROW / 2**20
@@ -92,13 +105,14 @@ def test_running_out_names_the_variable_and_keeps_nothing(
 ) -> None:
     monkeypatch.setenv("LOWTIDE_STATE_MEMORY_MB", "8")
     store = Store(tmp_path / "state.duckdb")
+    # a key index cannot spill: 200,000 remembered cuts do not fit in 8 MiB (a manifest of as
+    # many requests now does, its tables carry no key)
     with pytest.raises(StateMemoryError) as caught:
-        _manifest(store, "r1", _requests(20_000, message="x" * 20))
+        store.remember_chunk_cuts("v1:budget", _cuts(200_000), "v1")
     said = str(caught.value)
     assert str(tmp_path / "state.duckdb") in said
     assert "(8 MiB, from LOWTIDE_STATE_MEMORY_MB)" in said and "rolled back" in said
-    assert scalar(store, "SELECT count(*) FROM requests") == 0
-    assert scalar(store, "SELECT count(*) FROM batches") == 0
+    assert scalar(store, "SELECT count(*) FROM chunk_cuts") == 0
 
 
 def test_a_big_insert_makes_room_for_its_keys_first(tmp_path: Path, small_parts: None) -> None:

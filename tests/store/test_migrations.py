@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import duckdb
+import polars as pl
 import pytest
 
 from lowtide.errors import StateLockedError, StateTooNewError
@@ -163,3 +164,81 @@ def test_request_messages_are_zstd_where_the_file_format_allows_it(
         ).fetchall()
     }
     assert used and (compressions is None or used == compressions)
+
+
+def test_big_tables_lose_their_keys_and_keep_their_rows_and_compression(tmp_path: Path) -> None:
+    """Migration 16 rebuilds `results`, `requests`, `batch_requests` and `units` without a
+    primary key: every row, every NOT NULL and the messages' zstd are kept, and later writes
+    still keep one row per key."""
+    step = next(n for n, text, _ in migrations.MIGRATIONS if "keeps one row per key" in text)
+    path = tmp_path / "s.duckdb"
+    con = duckdb.connect(str(path))
+    migrations.current_version(con)
+    for number, description, sql in migrations.MIGRATIONS:
+        if number < step:
+            sql(con) if callable(sql) else con.execute(sql)
+            con.execute("INSERT INTO schema_version VALUES (?, ?, now())", [number, description])
+    con.execute(
+        "INSERT INTO results (custom_id, batch_id, run_id, outcome, attempts, received_at, "
+        "engine) SELECT 'c' || i, 'b1', 'r', 'ok', 1, now(), 'emulator' FROM range(3) t(i)"
+    )
+    con.execute("INSERT INTO batch_requests SELECT 'b1', 'c' || i FROM range(3) t(i)")
+    con.execute(
+        "INSERT INTO requests (custom_id, request_key, job, model, first_run_id, created_at, "
+        "user_message) SELECT 'c' || i, 'k' || i, 'j', 'm', 'r', now(), "
+        "repeat('a message of some length ', 8) || i FROM range(5000) t(i)"
+    )
+    con.execute(
+        "INSERT INTO units (run_id, unit_id, source_id, kind, chunk_index, n_chunks, custom_id, "
+        "cache_hit) SELECT 'r', 'u' || i, 's' || i, 'row', 0, 1, 'c' || i, false "
+        "FROM range(3) t(i)"
+    )
+    con.close()
+
+    store = Store(path)
+    assert scalar(store, "SELECT max(version) FROM schema_version") == migrations.LATEST
+    kinds = query(
+        store,
+        "SELECT table_name, constraint_type, constraint_column_names[1] AS col "
+        "FROM duckdb_constraints() WHERE database_name = current_database() "
+        "AND table_name IN ('results', 'batch_requests', 'requests', 'units')",
+    )
+    assert "PRIMARY KEY" not in kinds["constraint_type"].to_list()
+    required = set(
+        kinds.filter(kinds["constraint_type"] == "NOT NULL")
+        .select(pl.concat_str("table_name", pl.lit("."), "col"))
+        .to_series()
+        .to_list()
+    )
+    assert {
+        "results.custom_id",
+        "results.outcome",
+        "results.received_at",
+        "batch_requests.batch_id",
+        "requests.request_key",
+        "units.unit_id",
+    } <= required
+    counts = query(
+        store,
+        "SELECT (SELECT count(*) FROM batch_requests) AS members, "
+        "(SELECT count(*) FROM results WHERE engine = 'emulator') AS results, "
+        "(SELECT count(*) FROM requests) AS requests, (SELECT count(*) FROM units) AS units",
+    )
+    assert counts.rows() == [(3, 3, 5000, 3)]
+    store._query("CHECKPOINT")
+    used = query(
+        store,
+        "SELECT DISTINCT compression FROM pragma_storage_info('requests') "
+        "WHERE column_name = 'user_message' AND segment_type = 'VARCHAR'",
+    )
+    assert used["compression"].to_list() == ["ZSTD"]
+
+    # a failure of a later attempt leaves an answer alone; a new key is added once
+    again = query(store, "SELECT * EXCLUDE (received_at) FROM results ORDER BY custom_id")
+    again = again.with_columns(
+        outcome=pl.lit("provider_error"), batch_id=pl.lit("b2"), error=pl.lit("boom")
+    )
+    fresh = again.head(1).with_columns(custom_id=pl.lit("c9"))
+    store.upsert_results(pl.concat([again, fresh, fresh]))
+    rows = query(store, "SELECT custom_id, outcome FROM results ORDER BY custom_id")
+    assert rows.rows() == [("c0", "ok"), ("c1", "ok"), ("c2", "ok"), ("c9", "provider_error")]
