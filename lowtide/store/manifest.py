@@ -170,7 +170,6 @@ class ManifestStore(Database):
         if messages is not None:
             self._insert_with_messages(requests, messages, insert, stored_kept, run_id)
         with self._transaction() as con:
-            self._make_room(con, 0 if messages else requests.height)  # the requests' index
             if messages is None:
                 insert_in_slices(con, requests, insert + "FROM incoming" + stored_kept, [run_id])
             con.register("bat", batches)
@@ -211,7 +210,6 @@ class ManifestStore(Database):
     ) -> None:
         for part in file_slices(messages, INSERT_SLICE_ROWS, ["custom_id", "user"]):
             with self._transaction() as con:
-                self._make_room(con, part.height)
                 con.register("incoming", requests)
                 con.register("message", part)
                 con.execute(
