@@ -107,17 +107,24 @@ def test_one_process_drives_a_run_and_a_dead_holder_frees_it(tmp_path: Path) -> 
     assert store.claim_run("r", "elsewhere:1:x", 60) == f"{here}:{os.getpid()}:b"
 
 
-def test_results_from_before_engines_are_credited_to_their_runs_backend(tmp_path: Path) -> None:
-    """The step that adds `results.engine` fills it for old answers from the run that received
-    them: an emulator run's answers are the emulator's, a real backend's are `<backend>:<model>`."""
-    step = next(n for n, text, _ in migrations.MIGRATIONS if "which engine gave it" in text)
-    path = tmp_path / "s.duckdb"
+def _file_just_before(path: Path, step_says: str) -> duckdb.DuckDBPyConnection:
+    """A state file at `path` migrated up to the step whose description holds `step_says`,
+    that step and those after it not applied; open, for the test to fill."""
+    step = next(n for n, text, _ in migrations.MIGRATIONS if step_says in text)
     con = duckdb.connect(str(path))
     migrations.current_version(con)
     for number, description, sql in migrations.MIGRATIONS:
         if number < step:
             sql(con) if callable(sql) else con.execute(sql)
             con.execute("INSERT INTO schema_version VALUES (?, ?, now())", [number, description])
+    return con
+
+
+def test_results_from_before_engines_are_credited_to_their_runs_backend(tmp_path: Path) -> None:
+    """The step that adds `results.engine` fills it for old answers from the run that received
+    them: an emulator run's answers are the emulator's, a real backend's are `<backend>:<model>`."""
+    path = tmp_path / "s.duckdb"
+    con = _file_just_before(path, "which engine gave it")
     for run_id, backend, model in (("a", "emulator", "gpt-4o-mini"), ("b", "openai", "gpt-4o")):
         con.execute(
             "INSERT INTO runs (run_id, job, job_fingerprint, backend, model, status, started_at) "
@@ -170,14 +177,8 @@ def test_big_tables_lose_their_keys_and_keep_their_rows_and_compression(tmp_path
     """Migration 16 rebuilds `results`, `requests`, `batch_requests` and `units` without a
     primary key: every row, every NOT NULL and the messages' zstd are kept, and later writes
     still keep one row per key."""
-    step = next(n for n, text, _ in migrations.MIGRATIONS if "keeps one row per key" in text)
     path = tmp_path / "s.duckdb"
-    con = duckdb.connect(str(path))
-    migrations.current_version(con)
-    for number, description, sql in migrations.MIGRATIONS:
-        if number < step:
-            sql(con) if callable(sql) else con.execute(sql)
-            con.execute("INSERT INTO schema_version VALUES (?, ?, now())", [number, description])
+    con = _file_just_before(path, "keeps one row per key")
     con.execute(
         "INSERT INTO results (custom_id, batch_id, run_id, outcome, attempts, received_at, "
         "engine) SELECT 'c' || i, 'b1', 'r', 'ok', 1, now(), 'emulator' FROM range(3) t(i)"
