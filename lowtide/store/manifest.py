@@ -67,6 +67,11 @@ _CARRIED = """
 requests: what dedupe attached to instead of sending again."""
 
 
+_NOT_STORED = " ANTI JOIN requests USING (custom_id)"
+"""Appended to an insert into `requests`: a request stored already is kept as it is (the table
+carries no key since migration 16)."""
+
+
 class ManifestStore(Database):
     # -- units ---------------------------------------------------------------------------------
     def save_units(
@@ -165,13 +170,11 @@ class ManifestStore(Database):
             "INSERT INTO requests BY NAME SELECT custom_id, request_key, job, model, "
             f"?::VARCHAR AS first_run_id, est_input_tokens, now() AS created_at{optional} "
         )
-        # no key on requests (migration 16): a request stored already is kept as it is
-        stored_kept = " ANTI JOIN requests USING (custom_id)"
         if messages is not None:
-            self._insert_with_messages(requests, messages, insert, stored_kept, run_id)
+            self._insert_with_messages(requests, messages, insert, run_id)
         with self._transaction() as con:
             if messages is None:
-                insert_in_slices(con, requests, insert + "FROM incoming" + stored_kept, [run_id])
+                insert_in_slices(con, requests, insert + "FROM incoming" + _NOT_STORED, [run_id])
             con.register("bat", batches)
             con.register("mem", members)
             con.execute(
@@ -185,7 +188,7 @@ class ManifestStore(Database):
             con.execute("INSERT INTO batch_requests SELECT batch_id, custom_id FROM mem")
 
     def _insert_with_messages(
-        self, requests: pl.DataFrame, messages: str | Path, insert: str, kept: str, run_id: str
+        self, requests: pl.DataFrame, messages: str | Path, insert: str, run_id: str
     ) -> None:
         """The requests' rows, each with its message from the file `messages`."""
         with self._connect() as con:
@@ -203,10 +206,10 @@ class ManifestStore(Database):
                 "file from the input"
             )
         with self.held():  # detached after each slice, its checkpoints cost a third more CPU
-            self._insert_slices(requests, messages, insert, kept, run_id)
+            self._insert_slices(requests, messages, insert, run_id)
 
     def _insert_slices(
-        self, requests: pl.DataFrame, messages: str | Path, insert: str, kept: str, run_id: str
+        self, requests: pl.DataFrame, messages: str | Path, insert: str, run_id: str
     ) -> None:
         for part in file_slices(messages, INSERT_SLICE_ROWS, ["custom_id", "user"]):
             with self._transaction() as con:
@@ -214,7 +217,7 @@ class ManifestStore(Database):
                 con.register("message", part)
                 con.execute(
                     insert + ", m.user AS user_message "
-                    "FROM incoming JOIN message m USING (custom_id)" + kept,
+                    "FROM incoming JOIN message m USING (custom_id)" + _NOT_STORED,
                     [run_id],
                 )
             crash_point("mid_manifest")
