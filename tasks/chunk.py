@@ -16,13 +16,13 @@ from typing import Protocol
 import polars as pl
 
 from lowtide.context import RunContext
+from lowtide.digests import md5_hex
 from lowtide.jobspec import JobSpec
 from lowtide.orchestration import task
 from lowtide.runlog import stage_log
 from lowtide.slices import FileWriter, by_slices, file_slices
 from lowtide.splitting import split_spans
 from lowtide.store.chunk_cuts import CUTS_SCHEMA
-from lowtide.store.compute import md5_hex
 from tasks.carry import unchanged_rows
 from tasks.dedupe import CUSTOM_ID_VERSION
 

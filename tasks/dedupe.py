@@ -21,12 +21,12 @@ import polars as pl
 from lowtide.backends import backend_entry
 from lowtide.context import RunContext
 from lowtide.crashpoints import crash_point
+from lowtide.digests import sha256_hex
 from lowtide.jobspec import JobSpec
 from lowtide.orchestration import task
 from lowtide.runlog import stage_log
 from lowtide.slices import FileWriter, by_slices, file_slices
 from lowtide.store import Store
-from lowtide.store.compute import sha256_hex
 from tasks.load import PRIORITY
 
 CUSTOM_ID_VERSION = "lt2"

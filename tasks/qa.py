@@ -13,9 +13,9 @@ import orjson
 import polars as pl
 
 from lowtide.context import RunContext
+from lowtide.digests import md5_fraction
 from lowtide.orchestration import task
 from lowtide.runlog import stage_log
-from lowtide.store.compute import md5_fraction
 from lowtide.vocabulary import ANSWERED
 from tasks.load import EVAL_FILE, load_eval_set
 

@@ -20,7 +20,7 @@ import duckdb
 import pytest
 
 from lowtide.interrupts import kept_through_duckdb, raise_from_signal
-from lowtide.store import Store, compute
+from lowtide.store import Store
 
 
 class Stopped(BaseException):
@@ -70,12 +70,10 @@ def test_a_ctrl_c_without_a_noted_handler_is_keyboard_interrupt_and_other_errors
         raise RuntimeError("something else")
 
 
-def test_the_state_file_and_the_calculator_hand_back_interrupts(tmp_path: Path) -> None:
-    """Every query on the state file runs inside `Store._connect`, every calculation inside
-    `compute._calculator`: an interrupt reported by DuckDB in either is Ctrl-C again."""
+def test_the_state_file_hands_back_interrupts(tmp_path: Path) -> None:
+    """Every query on the state file runs inside `Store._connect`: an interrupt reported by
+    DuckDB there is Ctrl-C again."""
     store = Store(tmp_path / "state.duckdb")
     with pytest.raises(KeyboardInterrupt), store._connect():
         raise RuntimeError("Query interrupted")
     assert store._scalar("SELECT 1") == 1  # and the file is usable afterwards
-    with pytest.raises(KeyboardInterrupt), compute._calculator():
-        raise RuntimeError("Query interrupted")

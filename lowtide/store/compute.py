@@ -1,12 +1,10 @@
-"""DuckDB as a calculator: vectorised hashes and reading an input table, touching no state.
+"""DuckDB as a calculator: reading an input table, touching no state.
 
 Kept in the store package because it is SQL; it never opens the state file.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import duckdb
@@ -15,45 +13,6 @@ import polars as pl
 from lowtide.errors import InputError
 from lowtide.interrupts import kept_through_duckdb
 from lowtide.store._sql import ident
-
-
-@contextmanager
-def _calculator() -> Iterator[duckdb.DuckDBPyConnection]:
-    """An in-memory DuckDB for one calculation; Ctrl-C in it stays Ctrl-C."""
-    con = duckdb.connect()
-    try:
-        with kept_through_duckdb():
-            yield con
-    finally:
-        con.close()
-
-
-def sha256_hex(values: pl.Series) -> pl.Series:
-    """sha256 of each string, as lowercase hex (in C, no Python loop)."""
-    with _calculator() as con:
-        con.register("v", pl.DataFrame({"v": values}))
-        keys = con.sql("SELECT sha256(v) AS k FROM v").to_arrow_table().column("k")
-    return pl.Series(values.name, keys).cast(pl.String)
-
-
-def md5_hex(values: pl.Series) -> pl.Series:
-    """md5 of each string, as lowercase hex (in C, no Python loop): a text's short identity."""
-    with _calculator() as con:
-        con.register("v", pl.DataFrame({"v": values}, schema={"v": pl.String}))
-        keys = con.sql("SELECT md5(v) AS k FROM v").to_arrow_table().column("k")
-    return pl.Series("text_md5", keys).cast(pl.String)
-
-
-def md5_fraction(values: pl.Series, seed: int) -> pl.Series:
-    """A stable pseudo-random number in [0, 1) per string: md5(seed:value)'s first 32 bits."""
-    with _calculator() as con:
-        con.register("u", pl.DataFrame({"v": values}, schema={"v": pl.String}))
-        keys = con.sql(
-            "SELECT ('0x' || substr(md5(?::VARCHAR || ':' || v), 1, 8))::BIGINT "
-            "/ 4294967296.0 AS k FROM u",
-            params=[str(seed)],
-        ).to_arrow_table()
-    return pl.Series("k", keys.column("k").to_pylist(), dtype=pl.Float64)
 
 
 def read_duckdb_table(

@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lowtide import splitting, tokens
+from lowtide.digests import md5_hex
 from lowtide.splitting import split_spans, split_text
 from lowtide.store import Store
 from lowtide.store.chunk_cuts import CUTS_SCHEMA
-from lowtide.store.compute import md5_hex
 from lowtide.tokens import count_tokens
 from tasks import chunk
 from tasks.chunk import chunk_units
