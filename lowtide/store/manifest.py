@@ -67,6 +67,9 @@ _CARRIED = """
 requests: what dedupe attached to instead of sending again."""
 
 
+_LINES_PER_PART = 50_000
+"""Lines `each_batch_lines` hands over at a time (an Arrow record batch each)."""
+
 _NOT_STORED = " ANTI JOIN requests USING (custom_id)"
 """Appended to an insert into `requests`: a request stored already is kept as it is (the table
 carries no key since migration 16)."""
@@ -409,7 +412,7 @@ class ManifestStore(Database):
                 f"SELECT br.batch_id, q.custom_id, {LINE_SQL} AS line FROM batch_requests br "
                 "JOIN wanted USING (batch_id) JOIN requests q USING (custom_id) "
                 "LEFT JOIN request_templates t USING (template_id)"
-            ).to_arrow_reader(INSERT_SLICE_ROWS)
+            ).to_arrow_reader(_LINES_PER_PART)
             for part in reader:
                 sink(part)
 
