@@ -22,7 +22,7 @@ from lowtide.interrupts import kept_through_duckdb
 from lowtide.output_fields import default_reduce, json_type
 from lowtide.store._sql import ident, json_path, literal, literal_list
 from lowtide.store.publish_delta import FREE_AT_MOST, refresh_tables
-from lowtide.store.runs import RunsStore
+from lowtide.store.runs import RunsStore, job_views_in
 from lowtide.store.sources import MEMBERS, content_table, source_table, source_view_sql
 from lowtide.store.state_copy import copy_at_checkpoint
 from lowtide.vocabulary import ANSWERED
@@ -323,6 +323,10 @@ def _remove(tmp: Path) -> None:
             leftover.unlink()
 
 
+def _first(row: tuple[Any, ...] | None) -> Any:
+    return row[0] if row else None
+
+
 def _published(table: str) -> bool:
     """Whether a table of the state file goes into the published file."""
     return table in PIPELINE_TABLES or table.startswith("src_")
@@ -456,15 +460,22 @@ class PublishingStore(RunsStore):
     def _write_views(self, tmp: Path, showing: str | None, trim: bool = False) -> float:
         """The views of every job in `tmp`, then a checkpoint; returns the share of the file
         that is free space. `trim`: `tmp` is a copy of the state file; drop what analysts are
-        not given first (its views, the tables `_published` leaves out)."""
-        jobs = self.job_views()
-        shown = {job["job"]: self._scalar(shown_run_sql(job["job"], showing)) for job in jobs}
-        merged = {
-            job["job"]: self._query(merged_runs_sql(job["job"], showing))["rows_run"].to_list()
-            for job in jobs
-        }
+        not given first (its views, the tables `_published` leaves out). Which runs each view
+        shows is read from `tmp` itself: a run of another job that ends after the copy was taken
+        is not in it, so a view naming that run would show its rows without their answers."""
         pub = duckdb.connect(str(tmp))
         try:
+            jobs = job_views_in(pub)
+            shown = {
+                job["job"]: _first(pub.execute(shown_run_sql(job["job"], showing)).fetchone())
+                for job in jobs
+            }
+            merged = {
+                job["job"]: [
+                    r[0] for r in pub.execute(merged_runs_sql(job["job"], showing)).fetchall()
+                ]
+                for job in jobs
+            }
             if trim:
                 _published_only(pub)
             pub.execute(ROW_COSTS_VIEW)

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+import duckdb
 import orjson
 import polars as pl
 
@@ -66,6 +67,24 @@ def _resumable_params(job: str, fingerprint: str, inputs: str, backend: str) -> 
     return [job, fingerprint, inputs, backend, sql_list(RESUMABLE_RUN), RunStatus.COMPLETED.value]
 
 
+def job_views_in(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
+    """Every job's view definition inputs in the database `con` has open (the state file, or a
+    copy of it being published)."""
+    rows = con.execute(
+        "SELECT job, view_name, id_column, output_schema, reduce FROM jobs ORDER BY job"
+    ).fetchall()
+    return [
+        {
+            "job": job,
+            "view": view,
+            "id_column": id_column,
+            "schema": orjson.loads(schema),
+            "reduce": orjson.loads(reduce or "{}"),
+        }
+        for job, view, id_column, schema, reduce in rows
+    ]
+
+
 class RunsStore(Database):
     # -- jobs ------------------------------------------------------------------------------------
     def save_job(
@@ -95,17 +114,8 @@ class RunsStore(Database):
 
     def job_views(self) -> list[dict[str, Any]]:
         """Every job's view definition inputs, for publishing."""
-        jobs = self._query("SELECT * FROM jobs ORDER BY job")
-        return [
-            {
-                "job": r["job"],
-                "view": r["view_name"],
-                "id_column": r["id_column"],
-                "schema": orjson.loads(r["output_schema"]),
-                "reduce": orjson.loads(r["reduce"] or "{}"),
-            }
-            for r in jobs.iter_rows(named=True)
-        ]
+        with self._connect() as con:
+            return job_views_in(con)
 
     def job_view(self, job: str) -> dict[str, Any]:
         """One job's view definition; RunNotFoundError when the job was never run here."""

@@ -1,12 +1,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import orjson
 import polars as pl
+import pytest
 
-from lowtide.store import Store
+from lowtide.store import Store, publish
+from lowtide.store.state_copy import copy_at_checkpoint
 from tests.sql import query
 from tests.store.runs import finish
 
@@ -118,3 +121,27 @@ def test_sources_table_widens_when_the_input_gains_a_column(tmp_path: Path) -> N
     )
     rows = query(store, "SELECT run_id, lang FROM src_x ORDER BY run_id").rows()
     assert rows == [("r1", None), ("r2", "en")]
+
+
+def test_the_views_show_the_runs_in_the_copy_even_when_a_run_ends_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Publishing copies the state file, then makes the views in the copy. A run that ends
+    between the two (another job's, in a shared state file) is not in the copy: the views must
+    show the runs the copy holds, whose rows and answers it has."""
+    store = Store(tmp_path / "state.duckdb")
+    _seed(store, "run1", "first")
+
+    def copy_then_another_run_ends(*args: Any, **kwargs: Any) -> bool:
+        copied = copy_at_checkpoint(*args, **kwargs)
+        _seed(store, "run2", "second")  # committed to the state file after the copy
+        return copied
+
+    monkeypatch.setattr(publish, "copy_at_checkpoint", copy_then_another_run_ends)
+    db = store.publish(tmp_path / "pub.duckdb")
+    con = duckdb.connect(str(db), read_only=True)
+    assert con.execute("SELECT label, run_id FROM my_job").fetchall() == [("first", "run1")]
+    con.close()
+    monkeypatch.undo()
+    fresh = duckdb.connect(str(store.publish(db)), read_only=True)  # the next publish has it
+    assert fresh.execute("SELECT label, run_id FROM my_job").fetchall() == [("second", "run2")]
