@@ -146,10 +146,13 @@ def parse_task(ctx: RunContext, batch_id: str, joined: dict) -> dict:
     """Validate a batch's answers and store them (upsert by custom_id); mark the batch collected."""
     store = ctx.store
     parsed = parse_results(pl.read_parquet(joined["results"]), ctx.job.output_schema)
-    counts = store_parsed(
-        store, parsed, batch_id=batch_id, run_id=joined["run_id"], engine=ctx.answer_family
-    )
-    crash_point("mid_parse")
-    store.mark_collected(batch_id)
+    # three short store calls back to back: the file stays attached across them (each attach
+    # and detach would checkpoint the growing results table again)
+    with store.held():
+        counts = store_parsed(
+            store, parsed, batch_id=batch_id, run_id=joined["run_id"], engine=ctx.answer_family
+        )
+        crash_point("mid_parse")
+        store.mark_collected(batch_id)
     stage_log("parse", "%s: %s", batch_id, counts)
     return counts
