@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import openai
@@ -53,11 +52,9 @@ def test_emulator_command_prints_what_to_export_and_serves() -> None:
         env={**os.environ},
     )
     try:
+        # read up to the last variable it prints; the test's timeout bounds a hang
         lines: list[str] = []
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not any(
-            "ANTHROPIC_API_KEY" in line for line in lines
-        ):
+        while not any("ANTHROPIC_API_KEY" in line for line in lines):
             line = proc.stdout.readline()
             if not line:
                 break

@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from lowtide.emulator.vllm_pool import start_engines
 from lowtide.jobspec import load_job
 from tests.conftest import REPO
 from tests.integration.conftest import write_job
+from tests.processes import wait_for_exit
 from tests.sql import query, scalar
 
 pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.slow]
@@ -157,14 +157,11 @@ def _survivors(point: str, state: str) -> list[int]:
 
 
 def _orphans(point: str, state: str) -> list[int]:
-    """The killed run's leftover processes after a bounded wait (a hang guard only: a tied
-    process exits within a second when the machine is idle); they are killed here (the cell
-    then fails)."""
-    deadline = time.monotonic() + 60.0
+    """The killed run's processes still there once those it had started have exited (they are
+    told to when their parent dies; `wait_for_exit` waits on that event). Anything left then
+    was started afterwards by something that survived: killed here, and the cell fails."""
+    wait_for_exit(_survivors(point, state))
     left = _survivors(point, state)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.2)
-        left = _survivors(point, state)
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     return left

@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import pytest
 from lowtide import prefect_server
 from lowtide.emulator import Emulator, EmulatorConfig
 from tests.integration.conftest import lowtide_cli, write_job
+from tests.processes import wait_for_exit
 
 pytestmark = [
     pytest.mark.slow,
@@ -56,11 +56,9 @@ def test_a_killed_run_leaves_no_prefect_server(tmp_path: Path) -> None:
         }
         crashed = lowtide_cli("run", str(job), cwd=tmp_path, env=env)
     assert crashed.returncode == -signal.SIGKILL, crashed.stdout + crashed.stderr
-    # the kernel delivers SIGTERM at once; give uvicorn its graceful shutdown (bounded wait
-    # on an event, not a speed threshold)
-    deadline = time.monotonic() + 60
-    while _servers_with_home(home) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    # the kernel delivers SIGTERM at once; uvicorn shuts down gracefully: wait for its exit
+    # (a server that never exits fails the test by its timeout and is killed then)
+    wait_for_exit(_servers_with_home(home))
     left = _servers_with_home(home)
     for pid in left:  # do not leak it into the rest of the suite
         os.kill(pid, signal.SIGKILL)

@@ -214,6 +214,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _wait_until_healthy(url: str, process: subprocess.Popen[bytes]) -> None:
+    """Until the server answers its health check (the module's timeout bounds a hang); a
+    server that exits first fails the test."""
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if process.poll() is not None:
+            pytest.fail(f"prefect server did not start (exit {process.poll()})")
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
     """`prefect server start` with its own PREFECT_HOME (and so its own SQLite file)."""
@@ -230,18 +245,12 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefect
         start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}/api"
-    deadline = time.monotonic() + 180  # a bound on waiting for the event, not a speed check
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"prefect server did not start (exit {process.poll()})")
-        time.sleep(0.5)
+    try:
+        _wait_until_healthy(url, process)
+    except BaseException:  # the module's timeout, Ctrl-C: no server left running
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        raise
     try:
         yield PrefectServer(url=url, home=home, process=process)
     finally:
