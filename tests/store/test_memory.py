@@ -12,7 +12,7 @@ import polars as pl
 import pytest
 
 from lowtide.errors import PublishError, SettingsError, StateMemoryError
-from lowtide.store import Store, memory
+from lowtide.store import Store, memory, publish
 from tests.sql import scalar
 from tests.store.test_insert_slices import _manifest
 from tests.store.test_publish import _seed
@@ -143,10 +143,14 @@ def test_a_cap_below_zero_is_refused_naming_the_variable(
 def test_publishing_past_the_cap_fails_cleanly_and_leaves_no_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The table-by-table path, which runs in the state file's capped DuckDB (a plain copy of
+    the file makes its views in the copy's own instance, outside the cap): it is taken when
+    the copy might not be one state of the file and there is no previous file to patch."""
     built = Store(tmp_path / "built.duckdb")  # under the sized cap
     _seed(built, "run1", "first")
     shutil.copy(built.path, tmp_path / "state.duckdb")
     monkeypatch.setenv("LOWTIDE_STATE_MEMORY_MB", "1")  # read by the copy's new instance
+    monkeypatch.setattr(publish, "copy_at_checkpoint", lambda *args, **kwargs: False)
     store = Store(tmp_path / "state.duckdb")
     with pytest.raises(PublishError, match="LOWTIDE_STATE_MEMORY_MB") as caught:
         store.publish(tmp_path / "pub.duckdb")
