@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -9,6 +10,7 @@ from hypothesis import strategies as st
 
 from lowtide.backends import EMULATOR_ENGINE, backend_entry
 from lowtide.jobspec import load_job
+from lowtide.slices import FileWriter
 from tasks import dedupe
 from tasks.dedupe import key_units, request_keys, unique_requests
 from tests.conftest import SAMPLE_JOB
@@ -147,3 +149,50 @@ def test_dedupe_is_order_independent_and_idempotent(texts: list[str], copies, se
     reordered = units.sample(fraction=1.0, shuffle=True, seed=seed.randint(0, 10**6))
     keyed = request_keys(reordered, TEMPLATE, "fp")
     assert _asked(keyed) == keys and _key_of_unit(keyed) == alone_keys
+
+
+def _messages_file(path: Path) -> Path:
+    """Two slices' first units, as `keyed_slices` writes them: key `a` first in both slices,
+    urgent only in the second."""
+    out = FileWriter(path)
+    for rows, ids, urgent in (
+        ([0, 1], ["a", "b"], [False, False]),
+        ([3, 4], ["a", "c"], [True, False]),
+    ):
+        out.write(
+            pl.DataFrame(
+                {
+                    "custom_id": ids,
+                    "request_key": ids,
+                    "user": [f"message {i}" for i in ids],
+                    "unit_tokens": [None, None],
+                    "_row": rows,
+                    "urgent": urgent,
+                },
+                schema_overrides={"unit_tokens": pl.Int32, "_row": pl.Int64},
+            )
+        )
+    out.close()
+    return path
+
+
+def test_to_send_is_the_messages_file_itself_only_when_it_holds_exactly_what_is_sent(
+    tmp_path: Path,
+) -> None:
+    every = pl.DataFrame({"_row": [0, 1, 3, 4], "urgent": [False, False, True, False]})
+    messages = _messages_file(tmp_path / "messages.parquet")
+    assert dedupe.write_to_send(messages, every, tmp_path / "all.parquet") == 4
+    assert not messages.exists()  # renamed: nothing copied
+    assert pl.read_parquet(tmp_path / "all.parquet")["custom_id"].to_list() == ["a", "b", "a", "c"]
+
+    # what dedupe wants: `a` once (its first row), urgent because a unit sharing it is
+    wanted = pl.DataFrame({"_row": [0, 1, 4], "urgent": [True, False, False]})
+    messages = _messages_file(tmp_path / "messages.parquet")
+    assert dedupe.write_to_send(messages, wanted, tmp_path / "some.parquet") == 3
+    sent = pl.read_parquet(tmp_path / "some.parquet")
+    assert sent.columns == ["custom_id", "request_key", "user", "unit_tokens", "urgent"]
+    assert sent.select("custom_id", "user", "urgent").rows() == [
+        ("a", "message a", True),
+        ("b", "message b", False),
+        ("c", "message c", False),
+    ]
