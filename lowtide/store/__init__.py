@@ -19,7 +19,8 @@ starts from (`lowtide.prefect_template`).
 
 `Store` itself lives in `facade` and is loaded on first use; `in_flight` answers "is anything in
 flight?" without polars (the scheduled `collect` that finds nothing). Connections and quoting are
-private (`_db`, `_sql`); `compute` reads an input table with SQL and touches no state. Nothing outside this package writes SQL.
+private (`_db`, `_sql`); `compute` reads an input table with SQL and touches no state.
+Nothing outside this package writes SQL.
 """
 
 from __future__ import annotations
