@@ -22,7 +22,8 @@ from lowtide.interrupts import kept_through_duckdb
 from lowtide.output_fields import default_reduce, json_type
 from lowtide.store._sql import ident, json_path, literal, literal_list
 from lowtide.store.publish_delta import FREE_AT_MOST, refresh_tables
-from lowtide.store.runs import RunsStore, job_views_in
+from lowtide.store.runs import RunsStore
+from lowtide.store.shown_runs import shown_run_sql, views_runs
 from lowtide.store.sources import MEMBERS, content_table, source_table, source_view_sql
 from lowtide.store.state_copy import copy_at_checkpoint
 from lowtide.vocabulary import ANSWERED
@@ -89,18 +90,6 @@ def _field_expr(name: str, spec: dict[str, Any]) -> str:
     return f"TRY_CAST(json_extract_string(r.output, {path}) AS {sql_type})"
 
 
-def shown_run_sql(job: str, showing: str | None = None) -> str:
-    """The run a job's view shows: its newest published run by start (a run collected late
-    never replaces a newer one already published), `showing` counting as published (the run
-    being published now, marked so only once its file is written). A run that found its job
-    and input unchanged shows the rows of the run it points to."""
-    also = f" OR run_id = {literal(showing)}" if showing else ""
-    return (
-        f"SELECT coalesce(unchanged_from, run_id) AS run_id FROM runs WHERE job = {literal(job)} "
-        f"AND (published_at IS NOT NULL{also}) ORDER BY started_at DESC LIMIT 1"
-    )
-
-
 def _chosen(job: str, run_id: str | None) -> str:
     if run_id is not None:
         return (
@@ -108,34 +97,6 @@ def _chosen(job: str, run_id: str | None) -> str:
             f"WHERE run_id = {literal(run_id)}"
         )
     return shown_run_sql(job)
-
-
-def merged_runs_sql(job: str, showing: str | None = None) -> str:
-    """The runs whose rows an incremental job's view merges (`[input] cursor_column`), oldest
-    first: every published run (`showing` counting as published; a run recorded as unchanged
-    stands for the run it points to) since the job's newest published completed run that read
-    every row (no mark: its first, or one that started over). Empty when the job's shown run did
-    not read with a cursor: such a job shows its one shown run."""
-    also = f" OR run_id = {literal(showing)}" if showing else ""
-    return f"""
-    WITH pub AS (
-        SELECT coalesce(unchanged_from, run_id) AS rows_run, started_at FROM runs
-        WHERE job = {literal(job)} AND (published_at IS NOT NULL{also})
-    ),
-    shown AS (
-        SELECT r.cursor_column FROM runs r
-        WHERE r.run_id = (SELECT rows_run FROM pub ORDER BY started_at DESC LIMIT 1)
-    ),
-    base AS (
-        SELECT max(pub.started_at) AS at FROM pub JOIN runs r ON r.run_id = pub.rows_run
-        WHERE r.cursor_column IS NOT NULL AND r.cursor_from IS NULL
-          AND r.status IN ('completed', 'held')  -- held: being published (it becomes completed)
-    )
-    SELECT pub.rows_run FROM pub, base
-    WHERE (SELECT cursor_column FROM shown) IS NOT NULL
-      AND pub.started_at >= coalesce(base.at, '-infinity'::TIMESTAMP)
-    GROUP BY pub.rows_run ORDER BY max(pub.started_at)
-    """
 
 
 def _merged(runs: list[str]) -> str:
@@ -323,10 +284,6 @@ def _remove(tmp: Path) -> None:
             leftover.unlink()
 
 
-def _first(row: tuple[Any, ...] | None) -> Any:
-    return row[0] if row else None
-
-
 def _published(table: str) -> bool:
     """Whether a table of the state file goes into the published file."""
     return table in PIPELINE_TABLES or table.startswith("src_")
@@ -465,17 +422,7 @@ class PublishingStore(RunsStore):
         is not in it, so a view naming that run would show its rows without their answers."""
         pub = duckdb.connect(str(tmp))
         try:
-            jobs = job_views_in(pub)
-            shown = {
-                job["job"]: _first(pub.execute(shown_run_sql(job["job"], showing)).fetchone())
-                for job in jobs
-            }
-            merged = {
-                job["job"]: [
-                    r[0] for r in pub.execute(merged_runs_sql(job["job"], showing)).fetchall()
-                ]
-                for job in jobs
-            }
+            jobs, shown, merged = views_runs(pub, showing)
             if trim:
                 _published_only(pub)
             pub.execute(ROW_COSTS_VIEW)
