@@ -12,9 +12,9 @@ looked the name up again), never after a delay, and nothing asserts on wall-cloc
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,9 +33,9 @@ from lowtide.errors import JobFileError
 from lowtide.jobspec import PoolSpec, load_job
 from lowtide.tokens import count_tokens
 from tests.backends.test_vllm_pool import FAST, make_requests
+from tests.waiting import wait_for_event, wait_until
 
 NAME = "vllm-headless.default.svc.cluster.local"
-GUARD_S = 120.0  # how long a test waits for an event before it fails as hung; never a measure
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -74,9 +74,6 @@ class Names:
                 self.applied.set()
             self.returned = self.version
             return list(self.addresses)
-
-    def wait_applied(self) -> None:
-        assert self.applied.wait(GUARD_S), "the pool did not look the name up again"
 
 
 class Cluster:
@@ -173,25 +170,42 @@ def discover_config(names: Names, **overrides: Any) -> PoolConfig:
     return PoolConfig(**values)
 
 
-def in_background(steps: Callable[[], None]) -> tuple[threading.Thread, list[BaseException]]:
-    errors: list[BaseException] = []
+class Beside:
+    """Steps run on a thread beside a run: `with beside.running(steps):` around the run. A wait
+    of theirs fails the moment the run is over (what it waits for can no longer happen), so a
+    test ends with its reason rather than hanging; the test's timeout bounds everything else."""
 
-    def target() -> None:
+    def __init__(self) -> None:
+        self.over = threading.Event()
+        self.errors: list[BaseException] = []
+
+    def _running(self) -> bool:
+        return not self.over.is_set()
+
+    def until(self, check: Callable[[], bool], what: str) -> None:
+        wait_until(check, what, still_going=self._running, recheck_s=0.01)
+
+    def event(self, event: threading.Event, what: str) -> None:
+        wait_for_event(event, what, still_going=self._running)
+
+    def applied(self, names: Names) -> None:
+        self.event(names.applied, "the pool looking the name up again")
+
+    @contextlib.contextmanager
+    def running(self, steps: Callable[[], None]) -> Iterator[None]:
+        def target() -> None:
+            try:
+                steps()
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the test after the run
+                self.errors.append(exc)
+
+        thread = threading.Thread(target=target, daemon=True)
+        thread.start()
         try:
-            steps()
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the test after the run
-            errors.append(exc)
-
-    thread = threading.Thread(target=target)
-    thread.start()
-    return thread, errors
-
-
-def wait_until(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + GUARD_S  # a hang guard only
-    while not check():
-        assert time.monotonic() < deadline, f"never happened: {what}"
-        time.sleep(0.01)
+            yield
+        finally:
+            self.over.set()
+            thread.join()
 
 
 def assert_every_row_once(results: Results, requests: pl.DataFrame) -> pl.DataFrame:
@@ -212,23 +226,21 @@ def test_engines_added_and_removed_mid_run_answer_every_row_once(cluster):
     names = Names([c.address(0), c.address(1)], c.port)
     requests = make_requests(700)
     results = Results()
+    beside = Beside()
     seen: dict[str, int] = {}
 
     def scale() -> None:
-        assert results.at(100).wait(GUARD_S)
+        beside.event(results.at(100), "100 rows committed")
         names.set([c.address(0), c.address(1), c.address(2)])
-        names.wait_applied()
-        wait_until(lambda: c.executed(2) >= 10, "the new engine executing requests")
+        beside.applied(names)
+        beside.until(lambda: c.executed(2) >= 10, "the new engine executing requests")
         seen["rows_at_removal"] = results.rows
         names.set([c.address(0), c.address(2)])
-        names.wait_applied()
+        beside.applied(names)
 
-    thread, errors = in_background(scale)
-    try:
+    with beside.running(scale):
         stats = run_pool(requests, discover_config(names), results)
-    finally:
-        thread.join()
-    assert not errors, errors
+    assert not beside.errors, beside.errors
     assert seen["rows_at_removal"] < len(requests), "the run ended before the removal"
 
     assert_every_row_once(results, requests)
@@ -256,19 +268,17 @@ def test_a_removed_engine_that_dies_has_its_in_flight_requests_requeued(cluster)
     names = Names([c.address(0), c.address(1)], c.port)
     requests = make_requests(300)
     results = Results()
+    beside = Beside()
 
     def scale_down() -> None:
-        assert results.at(40).wait(GUARD_S)
+        beside.event(results.at(40), "40 rows committed")
         names.set([c.address(0)])
-        names.wait_applied()
+        beside.applied(names)
         c.pools[1].stop(0)  # abrupt: open connections reset, new ones refused
 
-    thread, errors = in_background(scale_down)
-    try:
+    with beside.running(scale_down):
         stats = run_pool(requests, discover_config(names, max_attempts=50), results)
-    finally:
-        thread.join()
-    assert not errors, errors
+    assert not beside.errors, beside.errors
 
     assert_every_row_once(results, requests)
     executions = c.executions()
@@ -287,20 +297,17 @@ def test_a_failed_lookup_keeps_the_endpoints(cluster, caplog):
     names = Names([c.address(0), c.address(1)], c.port)
     requests = make_requests(300)
     results = Results()
+    beside = Beside()
 
     def break_dns() -> None:
-        assert results.at(40).wait(GUARD_S)
+        beside.event(results.at(40), "40 rows committed")
         names.failing = True
-        wait_until(lambda: names.failures >= 3, "three failed lookups")
+        beside.until(lambda: names.failures >= 3, "three failed lookups")
         names.failing = False
 
-    thread, errors = in_background(break_dns)
-    with caplog.at_level(logging.WARNING, logger="lowtide.vllm_pool"):
-        try:
-            stats = run_pool(requests, discover_config(names), results)
-        finally:
-            thread.join()
-    assert not errors, errors
+    with caplog.at_level(logging.WARNING, logger="lowtide.vllm_pool"), beside.running(break_dns):
+        stats = run_pool(requests, discover_config(names), results)
+    assert not beside.errors, beside.errors
 
     assert_every_row_once(results, requests)
     assert c.executions() == dict.fromkeys(requests["custom_id"], 1)
@@ -318,17 +325,15 @@ def test_a_pool_that_starts_with_no_address_waits_for_one(cluster):
     names = Names([], c.port)
     requests = make_requests(60)
     results = Results()
+    beside = Beside()
 
     def engine_appears() -> None:
-        wait_until(lambda: names.returned >= 0 and names.version == 0, "a first lookup")
+        beside.until(lambda: names.returned >= 0 and names.version == 0, "a first lookup")
         names.set([c.address(0)])
 
-    thread, errors = in_background(engine_appears)
-    try:
+    with beside.running(engine_appears):
         stats = run_pool(requests, discover_config(names, adaptive=True), results)
-    finally:
-        thread.join()
-    assert not errors, errors
+    assert not beside.errors, beside.errors
     assert_every_row_once(results, requests)
     assert stats.per_endpoint[c.url(0)].answered == len(requests)
     assert c.executions() == dict.fromkeys(requests["custom_id"], 1)

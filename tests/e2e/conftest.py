@@ -31,6 +31,7 @@ import pytest
 
 from tests.conftest import REPO
 from tests.integration.conftest import write_job
+from tests.waiting import wait_until
 
 PREFECT_FILE = REPO / "deployments" / "prefect.yaml"
 WORK_POOL = "lowtide"
@@ -164,20 +165,22 @@ class PrefectServer:
         return str(r.json()["id"])
 
     def wait_for_terminal(
-        self, flow_run_id: str, timeout_s: float, explain: Callable[[], str] = lambda: ""
+        self, flow_run_id: str, explain: Callable[[], str] = lambda: ""
     ) -> dict[str, Any]:
-        """Poll the flow run until it is in a terminal state; its record."""
-        deadline = time.monotonic() + timeout_s
-        run = self.flow_run(flow_run_id)
-        while time.monotonic() < deadline:
-            run = self.flow_run(flow_run_id)
-            if run["state"]["type"] in TERMINAL:
-                return run
-            time.sleep(0.5)
-        raise AssertionError(
-            f"flow run {flow_run_id} still {run['state']['name']} after {timeout_s:.0f} s\n"
-            + explain()
-        )
+        """Poll the flow run until it is in a terminal state; its record. The test's timeout
+        bounds the wait (a hang fails with `explain()` and the run's last state)."""
+        last: dict[str, Any] = {}
+
+        def ended() -> bool:
+            last.update(self.flow_run(flow_run_id))
+            return last["state"]["type"] in TERMINAL
+
+        def why() -> str:
+            state = last.get("state") or {}
+            return f"flow run {flow_run_id} still {state.get('name')}\n" + explain()
+
+        wait_until(ended, f"flow run {flow_run_id} to end", explain=why, recheck_s=0.5)
+        return last
 
     def artifacts(self, flow_run_id: str) -> list[dict[str, Any]]:
         r = self.api.post(
@@ -221,6 +224,13 @@ def stop_worker(worker: Proc) -> None:
     worker.stop(signals=(signal.SIGTERM, signal.SIGTERM), grace_s=8.0)
 
 
+def _healthy(api: httpx.Client) -> bool:
+    try:
+        return api.get("/health").json() is True
+    except httpx.HTTPError:  # not listening yet
+        return False
+
+
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
     """A Prefect server on a free loopback port with a temporary PREFECT_HOME (SQLite)."""
@@ -253,18 +263,13 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefect
     )
     api = httpx.Client(base_url=f"{url}/api", timeout=30, transport=BusyRetryTransport())
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if not proc.alive():
-                raise RuntimeError("Prefect server exited during startup\n" + proc.tail())
-            try:
-                if api.get("/health").json() is True:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("Prefect server not healthy after 120 s\n" + proc.tail())
-            time.sleep(0.3)
+        wait_until(
+            lambda: _healthy(api),
+            "the Prefect server to answer /health",
+            still_going=proc.alive,
+            explain=lambda: "Prefect server log:\n" + proc.tail(),
+            recheck_s=0.3,
+        )
         yield PrefectServer(url, f"{url}/api", home, env, api, proc)
     finally:
         api.close()

@@ -9,7 +9,6 @@ import os
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from tests.e2e.conftest import (
     clean_environ,
     free_port,
 )
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -78,15 +78,14 @@ def test_prefect_yaml_matches_what_the_test_expects() -> None:
         assert (REPO / e.split(":")[0]).is_file(), e
 
 
-def _wait_line(log: Path, text: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if text in log.read_text(errors="replace"):
-            return
-        if proc.poll() is not None:
-            break
-        time.sleep(0.3)
-    raise AssertionError(f"no {text!r} from serve.sh:\n{log.read_text(errors='replace')[-4000:]}")
+def _wait_line(log: Path, text: str, proc: subprocess.Popen[bytes]) -> None:
+    wait_until(
+        lambda: text in log.read_text(errors="replace"),
+        f"{text!r} from serve.sh",
+        still_going=lambda: proc.poll() is None,
+        explain=lambda: log.read_text(errors="replace")[-4000:],
+        recheck_s=0.3,
+    )
 
 
 def _port_open(port: int) -> bool:
@@ -121,7 +120,7 @@ def test_make_serve_starts_everything_and_ctrl_c_stops_it(tmp_path: Path) -> Non
             start_new_session=True,
         )
         try:
-            _wait_line(log, "Prefect UI:", proc, 150)
+            _wait_line(log, "Prefect UI:", proc)
             url = f"http://127.0.0.1:{prefect_port}"
             assert f"Prefect UI:  {url}" in log.read_text()
             api = httpx.Client(base_url=f"{url}/api", timeout=10)
@@ -129,10 +128,13 @@ def test_make_serve_starts_everything_and_ctrl_c_stops_it(tmp_path: Path) -> Non
             assert {"nightly-support-intents", "collect-in-flight"} <= names
             assert httpx.get(f"http://127.0.0.1:{emulator_port}/_emulator/clock").is_success
             # the worker registers itself with the pool within a few seconds
-            deadline = time.monotonic() + 60
-            while not api.post(f"/work_pools/{WORK_POOL}/workers/filter", json={}).json():
-                assert time.monotonic() < deadline, log.read_text()[-3000:]
-                time.sleep(0.5)
+            wait_until(
+                lambda: bool(api.post(f"/work_pools/{WORK_POOL}/workers/filter", json={}).json()),
+                "the worker to register with its pool",
+                still_going=lambda: proc.poll() is None,
+                explain=lambda: log.read_text(errors="replace")[-3000:],
+                recheck_s=0.5,
+            )
             api.close()
 
             proc.send_signal(signal.SIGINT)  # Ctrl-C

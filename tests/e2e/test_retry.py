@@ -53,7 +53,7 @@ def test_retry_after_a_crash_finishes_without_paying_twice(
             flow_run_id = server.run_deployment(
                 NIGHTLY, {"job_file": str(small_job)}, env, work_queue_name=QUEUE
             )
-            crashed = server.wait_for_terminal(flow_run_id, 150, explain=lambda: armed.tail(60))
+            crashed = server.wait_for_terminal(flow_run_id, explain=lambda: armed.tail(60))
         finally:
             stop_worker(armed)
         assert crashed["state"]["type"] == "CRASHED", crashed["state"]
@@ -71,7 +71,7 @@ def test_retry_after_a_crash_finishes_without_paying_twice(
         clean = server.start_worker(tmp_path, "e2e-clean", QUEUE)
         try:
             _retry_like_the_ui(server, flow_run_id)
-            done = server.wait_for_terminal(flow_run_id, 150, explain=lambda: clean.tail(60))
+            done = server.wait_for_terminal(flow_run_id, explain=lambda: clean.tail(60))
         finally:
             stop_worker(clean)
         assert done["state"]["type"] == "COMPLETED", done["state"]

@@ -87,9 +87,7 @@ def test_operator_reads_rows_and_cost_in_the_ui(
         flow_run_id = prefect_server.run_deployment(
             NIGHTLY, {"job_file": str(small_job)}, run_env(tmp_path, emu.base_url)
         )
-        run = prefect_server.wait_for_terminal(
-            flow_run_id, 180, explain=lambda: default_worker.tail(60)
-        )
+        run = prefect_server.wait_for_terminal(flow_run_id, explain=lambda: default_worker.tail(60))
     assert run["state"]["type"] == "COMPLETED", run["state"]
     assert run["name"].startswith("support-intents-")  # named after the job and the date
 

@@ -18,7 +18,6 @@ import os
 import re
 import socket
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ import pytest
 from lowtide.emulator import Emulator, EmulatorConfig
 from tests.conftest import REPO
 from tests.integration.conftest import lowtide_cli, start_lowtide_run, write_job
+from tests.waiting import wait_until
 
 pytestmark = [
     pytest.mark.usefixtures("prefect_harness"),
@@ -92,14 +92,19 @@ def _consistent(emu: Emulator) -> dict[str, int]:
 
 
 def _wait_for_batch(emu: Emulator, first: subprocess.Popen[str]) -> None:
-    deadline = time.monotonic() + _BOUND_S
-    while not emu.state.batches:
-        if first.poll() is not None:
-            out, err = first.communicate()
-            pytest.fail(f"the first run ended before submitting: {out}{err}")
-        if time.monotonic() > deadline:
-            pytest.fail("the first run never created its batch")
-        time.sleep(0.1)
+    wait_until(
+        lambda: bool(emu.state.batches),
+        "the first run to create its batch",
+        still_going=lambda: first.poll() is None,
+        explain=lambda: _output_if_ended(first),
+    )
+
+
+def _output_if_ended(proc: subprocess.Popen[str]) -> str:
+    if proc.poll() is None:  # still running: reading its output would wait for its end
+        return "the first run is still running"
+    out, err = proc.communicate()
+    return f"the first run ended before submitting: {out}{err}"
 
 
 def test_a_second_run_and_a_collect_beside_a_run_in_flight(tmp_path: Path) -> None:

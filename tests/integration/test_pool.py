@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from lowtide.emulator.vllm_pool import start_engines
 from lowtide.store import Store
 from tests.integration.conftest import lowtide_cli, write_job
 from tests.sql import query
+from tests.waiting import CountingLedger
 
 pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.slow]
 
@@ -39,23 +39,30 @@ def _answered(store: Store, run_id: str) -> set[str]:
 
 def test_pool_run_survives_an_engine_stopped_midway(tmp_path: Path, monkeypatch) -> None:
     job = write_job(tmp_path, rows=300, eval_rows=10, extra=POOL)
-    ledger = BillingLedger()
+    ledger = CountingLedger(60)
     with start_engines(
         3, EngineConfig(time_scale=10.0), ledger=ledger, served_model_name=MODEL
     ) as pool:
         monkeypatch.setenv("LOWTIDE_VLLM_URLS", ",".join(pool.urls))
+        stopped_midway = threading.Event()
 
         def stop_one() -> None:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and len(ledger.count_by_custom_id()) < 60:
-                time.sleep(0.05)
+            ledger.reached[60].wait()  # 60 executions, or the run's end (set below)
+            if not run_ended.is_set():
+                stopped_midway.set()
             pool.stop(1)
 
+        run_ended = threading.Event()
         stopper = threading.Thread(target=stop_one)
         stopper.start()
-        s = enrich(job_file=str(job), backend="vllm")
-        stopper.join()
+        try:
+            s = enrich(job_file=str(job), backend="vllm")
+        finally:
+            run_ended.set()
+            ledger.reached[60].set()
+            stopper.join()
         assert pool.is_stopped(1)
+        assert stopped_midway.is_set(), "the run ended before 60 requests were executed"
     assert s["status"] == "completed"
     assert s["rows"] == 300 == s["succeeded"] + s["failed"]
     assert s["failed"] == 0
