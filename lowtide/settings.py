@@ -2,8 +2,8 @@
 
 Precedence: CLI flag / flow parameter, then environment (`LOWTIDE_*`), then `.env`, then defaults.
 Job-file settings (what to run) live in `lowtide.jobspec`; this object says where and with what.
-This module and the backends' key helper (`lowtide.backends.keys`) are the only places that read
-the process environment.
+This module is the only place that reads the process environment (`lowtide.allocators` only sets
+two native libraries' defaults before they load).
 """
 
 from __future__ import annotations
@@ -134,6 +134,14 @@ def state_memory_mb() -> int | None:
             f"LOWTIDE_STATE_MEMORY_MB={raw!r}: give a whole number of MiB (0 for DuckDB's default)"
         )
     return mb
+
+
+def provider_key(variable: str) -> str | None:
+    """A provider's API key from its SDK's own variable (OPENAI_API_KEY, ANTHROPIC_API_KEY; no
+    LOWTIDE_ prefix), read when a client is built so that a worker's key set after start-up
+    counts; None when unset or empty. Only `lowtide.backends.keys` asks, and passes it on to
+    the client alone."""
+    return os.environ.get(variable) or None
 
 
 def crash_point_armed() -> str | None:

@@ -23,7 +23,7 @@ SQL_START = re.compile(
     re.DOTALL,
 )
 # allocators.py only sets two native libraries' defaults (kept when the user set them)
-ENV_READERS = {"lowtide/settings.py", "lowtide/backends/keys.py", "lowtide/allocators.py"}
+ENV_READERS = {"lowtide/settings.py", "lowtide/allocators.py"}
 MAX_LINES = 530
 
 

@@ -11,15 +11,14 @@ stored value carries it.
 
 from __future__ import annotations
 
-import os
-
 from lowtide.errors import TerminalBackendError
+from lowtide.settings import provider_key
 
 
 def require_key(backend: str, variable: str, block: str | None = None) -> str:
     """The key in `variable`, else the value of the Prefect Secret block named `block` (when
     given); TerminalBackendError naming both places when neither has one."""
-    value = os.environ.get(variable)
+    value = provider_key(variable)
     if value:
         return value
     if not block:
