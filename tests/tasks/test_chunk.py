@@ -16,6 +16,7 @@ from lowtide.store.chunk_cuts import CUTS_SCHEMA
 from lowtide.tokens import count_tokens
 from tasks import chunk
 from tasks.chunk import chunk_units
+from tests.sql import scalar
 
 WORDS = st.lists(
     st.sampled_from(
@@ -290,6 +291,41 @@ def test_a_memo_cuts_each_long_text_once_across_runs(
     encoded.clear()  # another budget is another cut
     chunk_units(first.head(1), max_tokens=120, overlap=8, memo=store)
     assert encoded == ["word " * 300]
+
+
+def test_a_stage_remembers_its_cuts_once_at_its_end_and_reuses_them_between_slices(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`RunCuts`: slices of one stage share their cuts in memory; the state file gets them all
+    when the stage ends (one write), and a text another process remembered meanwhile still
+    makes one unit per piece."""
+    encoded: list[str] = []
+
+    def spied_encode(text: str, encoding: str = tokens.DEFAULT_ENCODING) -> list[int]:
+        encoded.append(text)
+        return tokens.encode(text, encoding)
+
+    monkeypatch.setattr(splitting, "encode", spied_encode)
+    store = Store(tmp_path / "state.duckdb")
+    stored = "SELECT count(*) FROM chunk_cuts"
+    cuts = chunk.RunCuts(store)
+    slice1 = pl.DataFrame({"source_id": ["a", "b"], "text": ["word " * 300, "tick " * 300]})
+    slice2 = pl.DataFrame({"source_id": ["c", "d"], "text": ["tick " * 300, "tock " * 300]})
+    units1 = chunk_units(slice1, max_tokens=100, overlap=8, memo=cuts)
+    # meanwhile another run of the same budget remembers "tock" on its own
+    chunk_units(slice2.tail(1), max_tokens=100, overlap=8, memo=store)
+    assert scalar(store, stored) == 1  # this stage's cuts are not written yet
+    encoded.clear()
+    units2 = chunk_units(slice2, max_tokens=100, overlap=8, memo=cuts)
+    assert encoded == []  # "tick" cut by slice 1, "tock" by the other run
+    assert units2.equals(chunk_units(slice2, max_tokens=100, overlap=8))  # as without memo
+    assert units1.equals(chunk_units(slice1, max_tokens=100, overlap=8))
+    cuts.remember()
+    assert scalar(store, stored) == 3  # word, tick, tock: each once
+    encoded.clear()
+    both = pl.concat([slice1, slice2])
+    chunk_units(both, max_tokens=100, overlap=8, memo=chunk.RunCuts(store))
+    assert encoded == []  # a later stage finds every cut in the state file
 
 
 def test_the_encodings_a_job_may_name_are_the_tokenizers() -> None:
