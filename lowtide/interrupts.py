@@ -5,12 +5,14 @@ DuckDB runs Python's signal handlers while a query executes, and whatever a hand
 `RuntimeError("Query interrupted")`. Left so, an interrupt is a failure: a flow records it as
 the run's error and the CLI prints a traceback instead of its one line. The CLI's handler
 notes what it raises, and `kept_through_duckdb` puts it back where the query returns; what a
-handler of someone else's raised (Prefect's on a cancelled deployment) comes back as
-KeyboardInterrupt, which Prefect also treats as the run ending, not failing.
+handler of someone else's raised comes back as KeyboardInterrupt, which Prefect also treats as
+the run ending, not failing; while Prefect's runner cancels the flow run, as Prefect's
+TerminationSignal, so the run ends Cancelled rather than Crashed.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,11 +48,35 @@ def is_interrupt(error: BaseException) -> bool:
 
 
 def interrupt_for(error: BaseException) -> BaseException:
-    """The exception a signal raised that `error` stands for: the noted one, or
-    KeyboardInterrupt (Python's own Ctrl-C handler raised it)."""
+    """The exception a signal raised that `error` stands for: the noted one; Prefect's
+    TerminationSignal while its runner cancels this flow run; else KeyboardInterrupt (Python's
+    own Ctrl-C handler raised it)."""
     noted = _raised
     forget_signal()
-    return noted if noted is not None else KeyboardInterrupt()
+    if noted is not None:
+        return noted
+    return _prefect_cancelling() or KeyboardInterrupt()
+
+
+def _prefect_cancelling() -> BaseException | None:
+    """What Prefect's SIGTERM handler raised, when its runner is cancelling this flow run.
+
+    A cancel from the UI reaches a deployment's process as the runner's recorded intent, then
+    SIGTERM, which Prefect's handler turns into TerminationSignal; the engine reads the intent
+    and ends the run Cancelled. Landing inside a DuckDB query, that exception is lost, and as
+    KeyboardInterrupt the run would end Crashed. Prefect's internals (pinned version); without
+    them, None."""
+    if "prefect" not in sys.modules:  # no flow run in this process
+        return None
+    try:
+        from prefect._internal.control_listener import get_intent
+        from prefect.exceptions import TerminationSignal
+        from prefect.utilities.engine import is_prefect_sigterm_handler_installed
+    except ImportError:
+        return None
+    if get_intent() is None or not is_prefect_sigterm_handler_installed():
+        return None
+    return TerminationSignal(signal=signal.SIGTERM)
 
 
 def raise_if_interrupt(error: BaseException) -> None:

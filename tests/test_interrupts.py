@@ -77,3 +77,42 @@ def test_the_state_file_hands_back_interrupts(tmp_path: Path) -> None:
     with pytest.raises(KeyboardInterrupt), store._connect():
         raise RuntimeError("Query interrupted")
     assert store._scalar("SELECT 1") == 1  # and the file is usable afterwards
+
+
+@pytest.fixture
+def prefect_cancelling() -> Iterator[None]:
+    """Prefect's SIGTERM handler installed, as around a flow run, and its runner's intent to
+    cancel recorded, as a cancel from the UI records it before sending SIGTERM."""
+    from prefect._internal import control_listener
+    from prefect.utilities.engine import capture_sigterm
+
+    with capture_sigterm():
+        with control_listener._intent_lock:
+            control_listener._intent = "cancel"
+        try:
+            yield
+        finally:
+            with control_listener._intent_lock:
+                control_listener._intent = None
+
+
+def test_a_query_stopped_by_prefects_cancel_raises_its_termination_signal(
+    prefect_cancelling: None,
+) -> None:
+    """The engine ends a run Cancelled on TerminationSignal with the cancel intent, Crashed on
+    KeyboardInterrupt: a cancel landing inside a query must come back as the former."""
+    from prefect.exceptions import TerminationSignal
+
+    with pytest.raises(TerminationSignal) as caught, kept_through_duckdb():
+        with contextlib.suppress(TerminationSignal):  # Prefect's handler runs; DuckDB drops
+            signal.raise_signal(signal.SIGTERM)  # what it raised ...
+        raise RuntimeError("Query interrupted")  # ... and reports this instead
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    assert caught.value.signal == signal.SIGTERM
+
+
+def test_without_a_cancel_intent_prefects_handler_leaves_keyboard_interrupt() -> None:
+    from prefect.utilities.engine import capture_sigterm
+
+    with capture_sigterm(), pytest.raises(KeyboardInterrupt), kept_through_duckdb():
+        raise RuntimeError("Query interrupted")  # a Ctrl-C: no runner asked for anything
