@@ -45,17 +45,13 @@ class RunCuts:
 
     def __init__(self, memo: CutMemo) -> None:
         self.memo = memo
-        self._made: dict[tuple[str, str], list[pl.DataFrame]] = {}
+        self._made: dict[str, list[pl.DataFrame]] = {}  # by budget
+        self._recipes: dict[str, str] = {}
 
     def chunk_cuts(self, budget: str, digests: pl.Series) -> pl.DataFrame:
         known = self.memo.chunk_cuts(budget, digests)
         wanted = digests.unique().implode()
-        made = [
-            cuts.filter(pl.col("text_md5").is_in(wanted))
-            for (made_under, _), frames in self._made.items()
-            if made_under == budget
-            for cuts in frames
-        ]
+        made = [c.filter(pl.col("text_md5").is_in(wanted)) for c in self._made.get(budget, [])]
         if not made:
             return known
         # another process may have remembered a text this run cut too: one row per text
@@ -63,12 +59,13 @@ class RunCuts:
 
     def remember_chunk_cuts(self, budget: str, cuts: pl.DataFrame, recipe: str) -> None:
         if cuts.height:
-            self._made.setdefault((budget, recipe), []).append(cuts)
+            self._made.setdefault(budget, []).append(cuts)
+            self._recipes[budget] = recipe
 
     def remember(self) -> None:
         """Hand every cut made to `memo`, one call per budget."""
-        for (budget, recipe), frames in self._made.items():
-            self.memo.remember_chunk_cuts(budget, pl.concat(frames), recipe)
+        for budget, frames in self._made.items():
+            self.memo.remember_chunk_cuts(budget, pl.concat(frames), self._recipes[budget])
         self._made.clear()
 
 
