@@ -39,7 +39,7 @@ from tasks.dedupe import dedupe_task
 from tasks.finalize import finalize_task, publish_task
 from tasks.join import join_task
 from tasks.load import load_task
-from tasks.parse import parse_task
+from tasks.parse import STORE_ROWS, parse_task, store_collected
 from tasks.poll import poll_task
 from tasks.qa import qa_task
 from tasks.realtime import realtime_task
@@ -197,11 +197,31 @@ def send_pending(ctx: RunContext, run_id: str) -> None:
 def collect_ended(ctx: RunContext, run_id: str) -> None:
     """Join and parse every ended, uncollected batch of the run."""
     ended = ctx.store.ended_uncollected_batches(run_id)
-    for batch_id in ended:
-        progress.report("collect", 0, 0, batch_id)
-        parse_task(ctx, batch_id, join_task(ctx, batch_id))
+    waiting: list[dict] = []  # parsed, stored with a later batch (`STORE_ROWS`)
+    try:
+        for i, batch_id in enumerate(ended):
+            progress.report("collect", 0, 0, batch_id)
+            joined = join_task(ctx, batch_id)
+            rows = sum(joined["counts"].values()) + sum(p["rows"] for p in waiting)
+            store = i == len(ended) - 1 or rows >= STORE_ROWS
+            parsed = parse_task(ctx, batch_id, joined, store=store, earlier=waiting)
+            waiting = [] if store else [*waiting, parsed]
+    except Exception:
+        keep_parsed(ctx, waiting)
+        raise
     if ended:
         ctx.store.fold_reasks()
+
+
+def keep_parsed(ctx: RunContext, waiting: list[dict]) -> None:
+    """After a batch of the collect pass failed: store the batches parsed before it, so a rerun
+    downloads only what was not stored; the first failure is the one reported."""
+    if not waiting:
+        return
+    try:
+        store_collected(ctx, waiting)
+    except Exception as e:  # noqa: BLE001 - reported beside the failure that is raised
+        stage_log("parse", "%d parsed batch(es) not stored (%s)", len(waiting), e)
 
 
 def open_run(ctx: RunContext) -> str:

@@ -33,7 +33,7 @@ PREPARE_POINTS = (
 )
 
 ROUND_POINTS = (
-    "mid_parse",  # a batch's results upserted, the batch not yet marked collected
+    "mid_parse",  # parsed batches' results upserted, the batches not yet marked collected
     "in_retry_round",  # a retry round's manifest committed, nothing of it sent
     "in_realtime",  # a realtime batch's answers committed, the batch not yet marked complete
 )

@@ -7,6 +7,7 @@ or validation error. Requests the provider did not answer keep their provider ou
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import json_repair
@@ -19,6 +20,7 @@ from lowtide.context import RunContext
 from lowtide.crashpoints import crash_point
 from lowtide.orchestration import task
 from lowtide.runlog import stage_log
+from lowtide.slices import WORK_FILE_COMPRESSION
 from lowtide.store import Store
 from lowtide.vocabulary import Outcome, RequestStatus
 
@@ -105,21 +107,18 @@ def answered_by(parsed: pl.DataFrame, engine: str) -> pl.Expr:
     return pl.when(emulated).then(pl.lit(EMULATOR_ENGINE)).otherwise(pl.lit(engine))
 
 
-def store_parsed(
-    store: Store,
+def _result_rows(
     parsed: pl.DataFrame,
+    attempts: pl.DataFrame,
     *,
     batch_id: str,
     run_id: str,
     engine: str,
-    channel: str = "batch",
-) -> dict[str, int]:
-    """Upsert parsed results (by custom_id) with how often each request was tried and which
-    engine answered (`answered_by`); returns the count per outcome. One place for every
-    channel: batch, realtime and pool."""
-    rows = parsed.join(
-        store.attempt_counts(parsed["custom_id"]), on="custom_id", how="left"
-    ).select(
+    channel: str,
+) -> pl.DataFrame:
+    """Parsed results as rows of the results table: with how often each request was tried
+    (`attempts`: custom_id, attempts) and which engine answered (`answered_by`)."""
+    return parsed.join(attempts, on="custom_id", how="left").select(
         "custom_id",
         pl.lit(batch_id).alias("batch_id"),
         pl.lit(run_id).alias("run_id"),
@@ -136,23 +135,99 @@ def store_parsed(
         pl.lit(None, pl.Float64).alias("cost_usd"),  # priced by reconcile, never left stale
         answered_by(parsed, engine).alias("engine"),
     )
-    store.upsert_results(rows)
+
+
+def _outcome_counts(parsed: pl.DataFrame) -> dict[str, int]:
     counts = parsed["outcome"].value_counts()
     return dict(zip(counts["outcome"].to_list(), counts["count"].to_list(), strict=True))
 
 
-@task(name="parse", task_run_name="parse-{batch_id}")
-def parse_task(ctx: RunContext, batch_id: str, joined: dict) -> dict:
-    """Validate a batch's answers and store them (upsert by custom_id); mark the batch collected."""
+def store_parsed(
+    store: Store,
+    parsed: pl.DataFrame,
+    *,
+    batch_id: str,
+    run_id: str,
+    engine: str,
+    channel: str = "batch",
+) -> dict[str, int]:
+    """Upsert parsed results (by custom_id) with how often each request was tried and which
+    engine answered (`answered_by`); returns the count per outcome. One place for every
+    channel: batch, realtime and pool."""
+    attempts = store.attempt_counts(parsed["custom_id"])
+    store.upsert_results(
+        _result_rows(
+            parsed, attempts, batch_id=batch_id, run_id=run_id, engine=engine, channel=channel
+        )
+    )
+    return _outcome_counts(parsed)
+
+
+STORE_ROWS = 2 * 122_880
+"""Parsed batches wait (as files) until this many results are parsed, or the collect pass ends,
+and are then stored in one commit: each commit compresses the results table's last, partly
+filled row group (122,880 rows) again, so storing 50,000-row batches one at a time wrote the
+table about twice over, and each upsert's joins read the whole table."""
+
+
+def store_collected(ctx: RunContext, parsed: list[dict]) -> None:
+    """Store parsed batches' results (`parse_task`'s files) in one transaction, each batch's
+    upsert in the order given, then mark the batches collected."""
+    if not parsed:
+        return
     store = ctx.store
-    parsed = parse_results(pl.read_parquet(joined["results"]), ctx.job.output_schema)
-    # three short store calls back to back: the file stays attached across them (each attach
-    # and detach would checkpoint the growing results table again)
-    with store.held():
-        counts = store_parsed(
-            store, parsed, batch_id=batch_id, run_id=joined["run_id"], engine=ctx.answer_family
+    frames = [pl.read_parquet(p["parsed"]) for p in parsed]
+    with store.held():  # the file stays attached across the calls (one checkpoint, at the end)
+        attempts = store.attempt_counts(pl.concat([f["custom_id"] for f in frames]))
+        store.upsert_results_in_order(
+            [
+                _result_rows(
+                    frame,
+                    attempts,
+                    batch_id=p["batch_id"],
+                    run_id=p["run_id"],
+                    engine=ctx.answer_family,
+                    channel="batch",
+                )
+                for p, frame in zip(parsed, frames, strict=True)
+            ]
         )
         crash_point("mid_parse")
-        store.mark_collected(batch_id)
+        for p in parsed:
+            store.mark_collected(p["batch_id"])
+    stage_log(
+        "parse",
+        "stored %d results of %d batch(es)",
+        sum(f.height for f in frames),
+        len(parsed),
+    )
+
+
+@task(name="parse", task_run_name="parse-{batch_id}")
+def parse_task(
+    ctx: RunContext,
+    batch_id: str,
+    joined: dict,
+    store: bool = True,
+    earlier: list[dict] | None = None,
+) -> dict:
+    """Validate a batch's answers into a parquet file beside its joined results. With `store`,
+    store them and the `earlier` parsed batches' (`store_collected`) and mark those batches
+    collected; without, the caller stores them later (a batch not stored yet is not collected:
+    after a crash it is downloaded and parsed again)."""
+    parsed = parse_results(pl.read_parquet(joined["results"]), ctx.job.output_schema)
+    path = Path(joined["results"]).with_name(f"parsed-{batch_id}.parquet")
+    parsed.write_parquet(path, compression=WORK_FILE_COMPRESSION)
+    counts = _outcome_counts(parsed)
     stage_log("parse", "%s: %s", batch_id, counts)
-    return counts
+    done = {
+        "batch_id": batch_id,
+        "run_id": joined["run_id"],
+        "parsed": str(path),
+        "rows": parsed.height,
+        "counts": counts,
+        "stored": store,
+    }
+    if store:
+        store_collected(ctx, [*(earlier or []), done])
+    return done

@@ -1,0 +1,67 @@
+"""Several batches' results stored in one transaction end as one upsert per batch, in turn,
+would leave them: an answer is never replaced by another attempt's failure, a failure is
+replaced by a later answer, and a repeated download changes nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+
+from lowtide.store import Store
+
+
+def _results(batch_id: str, outcomes: dict[str, str]) -> pl.DataFrame:
+    return pl.DataFrame(
+        {
+            "custom_id": list(outcomes),
+            "batch_id": [batch_id] * len(outcomes),
+            "run_id": ["r1"] * len(outcomes),
+            "outcome": list(outcomes.values()),
+            "output": [f"{batch_id}:{c}" if o == "ok" else None for c, o in outcomes.items()],
+            "error": [None if o == "ok" else "the provider said no" for o in outcomes.values()],
+            "attempts": [1] * len(outcomes),
+        }
+    )
+
+
+# x answered first, then failed in a later attempt; y failed first, then answered; z answered
+# twice (two attempts' answers: the first one stays); w downloaded twice from the same batch
+PARTS = [
+    _results("b1", {"x": "ok", "y": "provider_error", "z": "ok", "w": "provider_error"}),
+    _results("b2", {"x": "provider_error", "y": "ok", "z": "ok"}),
+    _results("b1", {"w": "provider_error"}),
+]
+
+
+def _stored(store: Store) -> list[tuple[str, str, str, str | None]]:
+    return (
+        store.results_for(pl.Series(["x", "y", "z", "w"]))
+        .sort("custom_id")
+        .select("custom_id", "batch_id", "outcome", "output")
+        .rows()
+    )
+
+
+def test_batches_stored_together_end_as_one_upsert_each_would_leave_them(
+    tmp_path: Path,
+) -> None:
+    together = Store(tmp_path / "together.duckdb")
+    together.upsert_results_in_order(PARTS)
+    one_by_one = Store(tmp_path / "one_by_one.duckdb")
+    for part in PARTS:
+        one_by_one.upsert_results(part)
+
+    assert (
+        _stored(together)
+        == _stored(one_by_one)
+        == [
+            ("w", "b1", "provider_error", None),
+            ("x", "b1", "ok", "b1:x"),  # the answer stays; the later failure does not replace it
+            ("y", "b2", "ok", "b2:y"),  # the failure is replaced by the later answer
+            ("z", "b1", "ok", "b1:z"),
+        ]
+    )
+    # every row of the stretch was committed at once: one transaction, one timestamp
+    received = together.results_for(pl.Series(["x", "y", "z", "w"]))["received_at"]
+    assert received.n_unique() == 1
