@@ -74,6 +74,12 @@ class RunContext:
         return path
 
     def batch_client(self) -> Backend:
+        """The run's provider-batch client, built once: an SDK client costs ~50 ms of CPU to
+        build (its TLS context), and every submit, poll and download of the run asks for it."""
+        return self._batch_client
+
+    @cached_property
+    def _batch_client(self) -> Backend:
         return self.entry.batch_client(self.connection)
 
     def realtime_client(self) -> Any:

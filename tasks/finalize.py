@@ -48,7 +48,7 @@ def row_outcomes(outcomes: pl.DataFrame) -> pl.DataFrame:
 def finalize_task(ctx: RunContext, run_id: str) -> dict:
     """One outcome per input row: the run's failures with reasons, and its counts."""
     store = ctx.store
-    per_row = row_outcomes(store.run_unit_outcomes(run_id))
+    per_row = row_outcomes(store.run_unit_outcomes(run_id, with_output=False))
     failures = per_row.filter(~pl.col("succeeded")).select(
         "source_id", "kind", "unit_id", "reason", "detail"
     )

@@ -113,7 +113,7 @@ def savings(outcomes: pl.DataFrame, price: Price) -> dict[str, float]:
     """Realtime dollars not spent thanks to dedupe and to the cross-run cache: the list price
     of the tokens that extra units sharing a request, and cache-hit requests, would have cost."""
     rows = outcomes.filter((pl.col("kind") == "row") & (pl.col("custom_id") != ""))
-    dup = rows.filter(pl.int_range(pl.len()).over("custom_id") > 0)
+    dup = rows.filter(~pl.col("custom_id").is_first_distinct())  # every unit after the first
     cached = rows.filter(pl.col("cache_hit")).unique(subset="custom_id")
 
     def listed(frame: pl.DataFrame) -> float:
@@ -152,7 +152,7 @@ def reconcile_task(ctx: RunContext, run_id: str) -> dict:
     costs = cost_rows(billed, _provider_usage(batches), price, ctx.backend, run.get("estimate_usd"))
     store.replace_rows("costs", run_id, costs)
     run_cost = costs.filter(pl.col("level") == "run").row(0, named=True)
-    outcomes = store.run_unit_outcomes(run_id)
+    outcomes = store.run_unit_outcomes(run_id, with_output=False)
     minutes = _minutes_since(run.get("started_at"))
     answered_here = billed.filter(pl.col("outcome").is_in(ANSWERED))
     sent = billed.height

@@ -132,13 +132,16 @@ class ResultsStore(Database):
             {"run": run_id, "realtime": REALTIME_BACKEND},
         )
 
-    def run_unit_outcomes(self, run_id: str) -> pl.DataFrame:
-        """Every unit of a run with its request's outcome (null if not answered yet)."""
+    def run_unit_outcomes(self, run_id: str, with_output: bool = True) -> pl.DataFrame:
+        """Every unit of a run with its request's outcome (null if not answered yet); without
+        `with_output`, no answer JSON (the widest column: ~100 MB at a million units, for
+        callers that only count)."""
+        output = "r.output, " if with_output else ""
         return self._query(
-            """
+            f"""
             SELECT u.unit_id, u.source_id, u.kind, u.chunk_index, u.n_chunks, u.unit_tokens,
                    u.custom_id,
-                   u.cache_hit, r.outcome, r.output, r.error, r.batch_id, r.input_tokens,
+                   u.cache_hit, r.outcome, {output}r.error, r.batch_id, r.input_tokens,
                    r.cached_tokens, r.output_tokens, r.run_id AS answered_in_run
             FROM units u LEFT JOIN results r USING (custom_id)
             WHERE u.run_id = ?
