@@ -195,7 +195,10 @@ def send_pending(ctx: RunContext, run_id: str) -> None:
 
 
 def collect_ended(ctx: RunContext, run_id: str) -> None:
-    """Join and parse every ended, uncollected batch of the run."""
+    """Join and parse every ended, uncollected batch of the run. Parsed batches are stored
+    together (`STORE_ROWS` results at a time, and at the end); a batch is collected once its
+    results are stored. When a batch fails, those parsed before it are stored (`keep_parsed`)
+    and the failure is raised."""
     ended = ctx.store.ended_uncollected_batches(run_id)
     waiting: list[dict] = []  # parsed, stored with a later batch (`STORE_ROWS`)
     try:

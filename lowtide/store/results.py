@@ -59,9 +59,11 @@ class ResultsStore(Database):
                 con.unregister("incoming")
 
     def attempt_counts(self, custom_ids: pl.Series) -> pl.DataFrame:
-        """(custom_id, attempts): how many batches (of any channel) each request was sent in."""
+        """(custom_id, attempts): how many batches (of any channel) each request was sent in,
+        once per request however often `custom_ids` names it (several batches' results at once
+        may name a request twice)."""
         with self._connect() as con:
-            con.register("wanted", pl.DataFrame({"custom_id": custom_ids}))
+            con.register("wanted", pl.DataFrame({"custom_id": custom_ids.unique()}))
             return frame(
                 con,
                 "SELECT br.custom_id, count(*)::INTEGER AS attempts FROM batch_requests br "

@@ -65,3 +65,42 @@ def test_batches_stored_together_end_as_one_upsert_each_would_leave_them(
     # every row of the stretch was committed at once: one transaction, one timestamp
     received = together.results_for(pl.Series(["x", "y", "z", "w"]))["received_at"]
     assert received.n_unique() == 1
+
+
+def _sent(store: Store, batch_id: str, custom_ids: list[str]) -> None:
+    """`custom_ids` sent in the batch `batch_id` (the manifest of a run of that name)."""
+    n = len(custom_ids)
+    requests = pl.DataFrame(
+        {
+            "custom_id": custom_ids,
+            "request_key": custom_ids,
+            "job": ["j"] * n,
+            "model": ["m"] * n,
+            "est_input_tokens": [1] * n,
+            "user_message": custom_ids,
+            "template_id": ["t"] * n,
+        }
+    )
+    batches = pl.DataFrame(
+        {
+            "batch_id": [batch_id],
+            "shard": [0],
+            "attempt": [1],
+            "backend": ["openai"],
+            "n_requests": [n],
+            "n_bytes": [100],
+        }
+    )
+    members = pl.DataFrame({"batch_id": [batch_id] * n, "custom_id": custom_ids})
+    store.write_manifest(batch_id, requests, batches, members)
+
+
+def test_attempts_count_each_batch_once_however_often_a_request_is_named(
+    tmp_path: Path,
+) -> None:
+    store = Store(tmp_path / "state.duckdb")
+    _sent(store, "b1", ["x", "y"])
+    _sent(store, "b2", ["x"])  # x tried again
+    # several batches' results stored together name x once per batch it came back in
+    counts = store.attempt_counts(pl.Series(["x", "y", "x"])).sort("custom_id")
+    assert counts.rows() == [("x", 2), ("y", 1)]
