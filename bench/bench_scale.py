@@ -228,6 +228,10 @@ def night(name: str, job: Path, env: dict[str, str], work: Path) -> dict:
         )
     stages, task_runs, stage_cpu = stage_seconds(timings)
     sizes = {k: Path(env[k]).stat().st_size for k in ("LOWTIDE_STATE", "LOWTIDE_DB")}
+    # the state is the file and its folder of requests' messages still to answer
+    messages = Path(env["LOWTIDE_STATE"] + ".messages")
+    if messages.is_dir():
+        sizes["LOWTIDE_STATE"] += sum(f.stat().st_size for f in messages.iterdir())
     return {
         **result,
         "name": name,

@@ -163,6 +163,8 @@ def finish(ctx: RunContext, run_id: str) -> None:
         ctx.store.record_paid_twice(run_id)  # a route's step: what switching engines cost
     progress.report("publish")
     publish_task(ctx, run_id)
+    # the run's messages are needed no more, but for requests still without an answer
+    ctx.store.prune_messages()
     if not ctx.keep_work_dir:
         # everything the run needs is in the state file now; its parquet files only took space
         shutil.rmtree(ctx.work_dir(run_id), ignore_errors=True)

@@ -18,7 +18,7 @@ import pyarrow as pa
 from lowtide.crashpoints import crash_point
 from lowtide.errors import LowtideError
 from lowtide.request_lines import RequestLines
-from lowtide.slices import file_slices
+from lowtide.store import message_files
 from lowtide.store._db import INSERT_SLICE_ROWS, Database, frame, insert_in_slices
 from lowtide.store.runs import now as _sent_now
 from lowtide.vocabulary import (
@@ -33,9 +33,14 @@ from lowtide.vocabulary import (
 
 LINE_SQL = (
     "coalesce(q.line, t.head || '\"' || q.custom_id || '\"' || t.mid || "
-    "to_json(q.user_message) || t.tail)"
+    "to_json(coalesce(q.user_message, m.user)) || t.tail)"
 )
-"""A request's line: stored whole (re-asks), or rebuilt from its template and message."""
+"""A request's line: stored whole (re-asks), or rebuilt from its template and message (stored,
+or in its messages file: joined as `m` by `_WITH_MESSAGE`)."""
+
+_WITH_MESSAGE = (
+    " LEFT JOIN {messages} m ON m.message_file = q.message_file AND m.custom_id = q.custom_id"
+)
 
 
 def _poll_fields(state: Any) -> dict[str, Any]:
@@ -149,15 +154,15 @@ class ManifestStore(Database):
         messages: str | Path | None = None,
     ) -> None:
         """Request lines and pending batch rows, before anything is sent. With `messages`, a
-        parquet file of (custom_id, user), each request's `user_message` is read from it here,
-        a slice of the file at a time, so that a million messages never pass through Python
-        at once; each slice commits on its own (DuckDB holds a transaction's new rows in memory
-        until it ends: at a million requests this peaked 1.33 GB in one transaction, 1.23 a
-        slice at a time), and the batch rows last. A run has a manifest once its batch rows
-        exist (`has_manifest`): until then nothing is sent, and a resumed run writes it again,
-        its requests already stored kept as they are. A run that fails here leaves the
-        requests it stored, unsent (no batch row names them): a later run asking the same
-        sends them, keeping the stored rows."""
+        parquet file of (custom_id, user) holding every request's message, the file itself is
+        kept beside the state file (`message_files.keep`) and each request stored names it
+        (`message_file`): the messages never pass through Python or DuckDB's compression here.
+        Requests are stored a slice at a time, each slice committed on its own, and the batch
+        rows last. A run has a manifest once its batch rows exist (`has_manifest`): until then
+        nothing is sent, and a resumed run writes it again (with a new file), its requests
+        already stored kept as they are. A run that fails here leaves the requests it stored,
+        unsent (no batch row names them): a later run asking the same sends them, keeping the
+        stored rows."""
         optional = "".join(
             f", {c}"
             for c in ("line", "user_message", "template_id", "reask_of")
@@ -174,7 +179,7 @@ class ManifestStore(Database):
             f"?::VARCHAR AS first_run_id, est_input_tokens, now() AS created_at{optional} "
         )
         if messages is not None:
-            self._insert_with_messages(requests, messages, insert, run_id)
+            self._insert_with_messages(requests, Path(messages), insert, run_id)
         with self._transaction() as con:
             if messages is None:
                 insert_in_slices(con, requests, insert + "FROM incoming" + _NOT_STORED, [run_id])
@@ -190,10 +195,16 @@ class ManifestStore(Database):
             # batch row that exists already refuses this whole transaction
             con.execute("INSERT INTO batch_requests SELECT batch_id, custom_id FROM mem")
 
+    @property
+    def messages_dir(self) -> Path:
+        """Where the requests' messages files live: beside the state file, kept with it."""
+        return message_files.folder_of(self.path)
+
     def _insert_with_messages(
-        self, requests: pl.DataFrame, messages: str | Path, insert: str, run_id: str
+        self, requests: pl.DataFrame, messages: Path, insert: str, run_id: str
     ) -> None:
-        """The requests' rows, each with its message from the file `messages`."""
+        """The requests' rows, each naming the kept copy of the file `messages` that holds its
+        message."""
         with self._connect() as con:
             con.register("incoming", requests)
             # reading the ids alone is cheap; a request without its message is never written
@@ -208,22 +219,56 @@ class ManifestStore(Database):
                 "); nothing was written or sent. Run the job again: it rebuilds the "
                 "file from the input"
             )
+        name = message_files.keep(self.messages_dir, messages, run_id)
         with self.held():  # detached after each slice, its checkpoints cost a third more CPU
-            self._insert_slices(requests, messages, insert, run_id)
+            self._insert_slices(requests, name, insert, run_id)
 
     def _insert_slices(
-        self, requests: pl.DataFrame, messages: str | Path, insert: str, run_id: str
+        self, requests: pl.DataFrame, message_file: str, insert: str, run_id: str
     ) -> None:
-        for part in file_slices(messages, INSERT_SLICE_ROWS, ["custom_id", "user"]):
+        with self._transaction() as con:
+            # a request stored already whose message can no longer be read (its file lost)
+            # takes its message from this file: the same request, so the same message
+            con.register("incoming", requests.select("custom_id"))
+            con.execute(
+                "UPDATE requests SET message_file = ? WHERE line IS NULL AND user_message IS NULL "
+                "AND NOT list_contains(?, coalesce(message_file, '')) "
+                "AND custom_id IN (SELECT custom_id FROM incoming)",
+                [message_file, message_files.kept_names(self.messages_dir)],
+            )
+        for part in requests.iter_slices(INSERT_SLICE_ROWS):
             with self._transaction() as con:
-                con.register("incoming", requests)
-                con.register("message", part)
+                con.register("incoming", part)
                 con.execute(
-                    insert + ", m.user AS user_message "
-                    "FROM incoming JOIN message m USING (custom_id)" + _NOT_STORED,
-                    [run_id],
+                    insert + ", ?::VARCHAR AS message_file FROM incoming" + _NOT_STORED,
+                    [run_id, message_file],
                 )
             crash_point("mid_manifest")
+
+    def prune_messages(self) -> int:
+        """Cut each messages file that no unfinished run may still write or send from down to
+        the messages of its requests without an answer (a retry or a later run may still send
+        those); a file left with none is removed. Returns how many files were cut or removed."""
+        live = self._query(
+            "SELECT run_id FROM runs WHERE list_contains(?, status)", [sql_list(RESUMABLE_RUN)]
+        )["run_id"].to_list()
+        files = message_files.prunable(self.messages_dir, live)
+        if not files:
+            return 0
+        with self._connect() as con:
+            con.register("names", pl.DataFrame({"message_file": [f.name for f in files]}))
+            unanswered = frame(
+                con,
+                "SELECT q.message_file, q.custom_id FROM requests q "
+                "JOIN names USING (message_file) LEFT JOIN results r USING (custom_id) "
+                "WHERE NOT coalesce(list_contains(?, r.outcome), false)",
+                [list(ANSWERED)],
+            )
+        changed = 0
+        for path in files:
+            wanted = unanswered.filter(pl.col("message_file") == path.name)["custom_id"]
+            changed += message_files.cut_to(path, wanted)
+        return changed
 
     def save_template(self, template_id: str, head: str, mid: str, tail: str) -> None:
         with self._transaction() as con:
@@ -391,10 +436,11 @@ class ManifestStore(Database):
         with self._connect() as con:
             rows = con.sql(
                 f"SELECT {LINE_SQL} AS line FROM batch_requests br JOIN requests q USING (custom_id) "
-                "LEFT JOIN request_templates t USING (template_id) "
+                f"LEFT JOIN request_templates t USING (template_id){self._with_message()} "
                 "WHERE br.batch_id = ? ORDER BY q.custom_id",
                 params=[batch_id],
             ).to_arrow_table()
+        self._require_lines(rows.column("line").null_count)
         return RequestLines(rows.column("line"))
 
     def each_batch_lines(
@@ -411,9 +457,10 @@ class ManifestStore(Database):
             reader = con.sql(
                 f"SELECT br.batch_id, q.custom_id, {LINE_SQL} AS line FROM batch_requests br "
                 "JOIN wanted USING (batch_id) JOIN requests q USING (custom_id) "
-                "LEFT JOIN request_templates t USING (template_id)"
+                f"LEFT JOIN request_templates t USING (template_id){self._with_message()}"
             ).to_arrow_reader(_LINES_PER_PART)
             for part in reader:
+                self._require_lines(part.column("line").null_count)
                 sink(part)
 
     def batch_members(self, batch_id: str) -> pl.DataFrame:
@@ -426,10 +473,26 @@ class ManifestStore(Database):
             con.register(
                 "wanted", pl.DataFrame({"custom_id": custom_ids}, schema={"custom_id": pl.String})
             )
-            return frame(
+            lines = frame(
                 con,
                 f"SELECT q.custom_id, q.request_key, {LINE_SQL} AS line, q.est_input_tokens, "
                 "r.error, r.finish_reason FROM requests q JOIN wanted USING (custom_id) "
-                "LEFT JOIN request_templates t USING (template_id) "
+                f"LEFT JOIN request_templates t USING (template_id){self._with_message()} "
                 "LEFT JOIN results r USING (custom_id)",
+            )
+        self._require_lines(lines["line"].null_count())
+        return lines
+
+    def _with_message(self) -> str:
+        return _WITH_MESSAGE.format(messages=message_files.relation(self.messages_dir))
+
+    def _require_lines(self, missing: int) -> None:
+        """Refuse to send requests whose line cannot be built (their messages file is gone)."""
+        if missing:
+            raise LowtideError(
+                f"{missing} request(s) to send have no message: the file holding it is missing "
+                f"from {self.messages_dir} (it is part of the state, like the state file; "
+                "restore it from the same backup). Nothing was sent. Without it, cancel the run "
+                "(`lowtide cancel RUN_ID`) and run the job again: the new run stores the "
+                "messages anew"
             )

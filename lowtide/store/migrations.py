@@ -427,6 +427,17 @@ MIGRATIONS.append(
 )
 
 
+MIGRATIONS.append(
+    (
+        17,
+        "a request's message may live in its run's messages file beside the state file",
+        # the file (in `ManifestStore.messages_dir`) that holds the request's message; NULL:
+        # the message is `user_message`, or the request carries a whole `line`
+        "ALTER TABLE requests ADD COLUMN message_file VARCHAR;",
+    )
+)
+
+
 LATEST = MIGRATIONS[-1][0]
 
 

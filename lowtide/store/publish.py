@@ -48,7 +48,8 @@ PIPELINE_TABLES = (
 
 ADDED_TO_ONLY: dict[str, tuple[str, ...]] = {
     # custom_id is derived from the request's content; the run that first asked it tells a
-    # state file made anew (asking the same requests in other runs) from the one published
+    # state file made anew (asking the same requests in other runs) from the one published;
+    # `message_file` may be pointed at a new file (its old one lost): nothing published reads it
     "requests": ("custom_id", "first_run_id"),
     "batch_requests": (),
     MEMBERS: (),

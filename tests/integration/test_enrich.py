@@ -103,6 +103,9 @@ def test_sample_job_end_to_end_then_from_cache(emulator, clean_env: Path) -> Non
     )
     assert set(retried["custom_id"]) == errored
     assert first["failed"] == 0 and first["succeeded"] == 3000
+    # every request answered: the run's messages file beside the state file is gone
+    assert store.messages_dir.is_dir() and not list(store.messages_dir.iterdir())
+    assert query(store, "SELECT count(user_message) AS n FROM requests")["n"][0] == 0
 
     second = enrich(job_file=str(SAMPLE_JOB), emulator_url=emulator.base_url)
     _invariant(second)

@@ -105,7 +105,9 @@ def test_a_failing_message_slice_leaves_no_manifest_and_a_rewrite_completes_it(
     assert scalar(store, "SELECT count(*) FROM batch_requests") == 0
 
     store.write_manifest("r1", sized, batches, members, messages=messages)  # the resumed run
-    stored = query(store, "SELECT custom_id, user_message FROM requests ORDER BY custom_id")
-    assert stored.rows() == [(f"c{i}", f"message {i}") for i in range(5)]
+    assert scalar(store, "SELECT count(*) FROM requests") == 5
+    store.save_template("t", "H", "M", "T")
+    lines = list(store.batch_lines("r1-s0000-a1"))
+    assert lines == [f'H"c{i}"M"message {i}"T' for i in range(5)]  # from the kept file
     assert store.has_manifest("r1")
     assert scalar(store, "SELECT count(*) FROM batch_requests") == 5

@@ -148,12 +148,15 @@ def test_messages_left_in_their_file_give_the_same_manifest(job, tmp_path) -> No
     sized = sized_requests(job, path).drop("urgent")
     read = _manifest(job, apart, sized, messages=path, max_requests=3)
     assert read.drop("batch_id").equals(held.drop("batch_id"))  # same shards, sizes, counts
-    columns = "custom_id, request_key, user_message, template_id, est_input_tokens, line"
+    columns = "custom_id, request_key, template_id, est_input_tokens, line"
     stored = [
         query(s, f"SELECT {columns} FROM requests ORDER BY custom_id") for s in (whole, apart)
     ]
     assert stored[0].equals(stored[1])
-    assert stored[1]["user_message"].to_list() == users
+    # the messages stay in their file, kept beside the state file: not a copy in the table
+    kept = query(apart, "SELECT DISTINCT message_file, user_message FROM requests")
+    assert kept["user_message"].to_list() == [None]
+    assert [f.name for f in apart.messages_dir.iterdir()] == kept["message_file"].to_list()
     lines = [_sent_lines(whole, held), _sent_lines(apart, read)]
     assert lines[0] == lines[1] and len(lines[1]) == len(users)
 
