@@ -144,3 +144,37 @@ def test_a_lost_file_refuses_to_send_and_the_next_run_stores_the_messages_anew(
     second = _manifest(store, tmp_path, "r2", ["a", "b"])
     assert list(store.batch_lines(second)) == ['H"a"M"message a"T', 'H"b"M"message b"T']
     assert list(store.batch_lines(first)) == list(store.batch_lines(second))
+
+
+def test_lines_of_many_batches_read_each_file_a_slice_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lowtide.store import manifest
+
+    monkeypatch.setattr(manifest, "_LINES_PER_PART", 2)
+    store = Store(tmp_path / "state.duckdb")
+    first = _manifest(store, tmp_path, "r1", ["e", "a", "c", "b", "d"])
+    second = _manifest(store, tmp_path, "r2", ["c", "f", "g"])  # c: in r1's file
+    # a request sent whole, as re-asks are: no file
+    store.write_manifest(
+        "r3",
+        _requests(["h"]).drop("template_id").with_columns(line=pl.lit("whole line h")),
+        pl.DataFrame(
+            {"batch_id": ["r3-s0000-a1"], "shard": [0], "attempt": [1], "backend": ["openai"]}
+        ).with_columns(n_requests=pl.lit(1), n_bytes=pl.lit(10)),
+        pl.DataFrame({"batch_id": ["r3-s0000-a1"], "custom_id": ["h"]}),
+    )
+    batches = [first, second, "r3-s0000-a1"]
+    parts: list[pl.DataFrame] = []
+    store.each_batch_lines(batches, lambda part: parts.append(pl.from_arrow(part)))
+    together = pl.concat(parts).sort("batch_id", "custom_id")
+    for batch_id in batches:
+        lines = together.filter(pl.col("batch_id") == batch_id)["line"].to_list()
+        assert lines == list(store.batch_lines(batch_id))
+    assert together.height == 9
+
+    # a file that lacks a request's message: refused, as one batch's lines are
+    kept = next(f for f in store.messages_dir.iterdir() if f.name.startswith("r2."))
+    pl.read_parquet(kept).filter(pl.col("custom_id") != "g").write_parquet(kept)
+    with pytest.raises(LowtideError, match=r"1 request\(s\) to send have no message"):
+        store.each_batch_lines(batches, lambda part: None)
