@@ -209,18 +209,23 @@ def unit_slices(chunked: dict) -> Iterator[pl.DataFrame]:
 
 def keyed_slices(ctx: RunContext, run_id: str, chunked: dict, work_dir: Path) -> tuple[Path, Path]:
     """Key every unit a slice at a time. Writes the units' narrow columns with their keys (in
-    order, numbered by `_row`) and, per slice, the message of each key's first unit there; only
-    one slice's texts and messages are held at a time."""
+    order, numbered by `_row`) and the message of each key's first unit, once: a key already
+    written by an earlier slice is not written again (so on a first night the file is exactly
+    what is sent, and `write_to_send` renames it instead of copying ~1 GB at a million rows).
+    Only one slice's texts and messages are held at a time, and the ids written so far."""
     job, store = ctx.job, ctx.store
     route_step = store.require_run(run_id)["route_step"] is not None
     keys = FileWriter(work_dir / "keyed.parquet")
     messages = FileWriter(work_dir / "messages.parquet")
+    written = pl.Series("custom_id", [], dtype=pl.String)
     for units in unit_slices(chunked):
         keyed = key_units(job, units, run_id)
         if route_step:
             keyed = carry_route_answers(store, job, keyed)
         narrow = _narrow(keyed, keys.rows)
         firsts = first_requests(narrow)
+        firsts = firsts.filter(~firsts["custom_id"].is_in(written))
+        written.append(firsts["custom_id"])
         local = firsts["_row"] - keys.rows
         messages.write(
             keyed.select(*_MESSAGE_COLUMNS)
@@ -236,8 +241,9 @@ def keyed_slices(ctx: RunContext, run_id: str, chunked: dict, work_dir: Path) ->
 def write_to_send(messages: Path, wanted: pl.DataFrame, path: Path) -> int:
     """The messages of the `wanted` rows (`_row`, urgent), in their order, to `path` in row
     groups of at most a slice; returns how many. When `messages` holds exactly those rows
-    with that urgency (a first night: nothing cached, no key in two slices), it is renamed to
-    `path` instead of copied (a million messages are ~1 GB); `_row` stays in it then."""
+    with that urgency (a first night: nothing cached, and no key's urgency set only by a unit
+    in a later slice), it is renamed to `path` instead of copied (a million messages are
+    ~1 GB); `_row` stays in it then."""
     if _written_as_wanted(messages, wanted):
         messages.rename(path)
         return wanted.height
@@ -254,7 +260,7 @@ def write_to_send(messages: Path, wanted: pl.DataFrame, path: Path) -> int:
 
 def _written_as_wanted(messages: Path, wanted: pl.DataFrame) -> bool:
     """Whether `messages` has the `wanted` rows and no other, each as urgent as wanted (a key
-    whose units span slices was written once per slice, each with its slice's urgency)."""
+    whose units span slices was written with its first slice's urgency)."""
     written = pl.read_parquet(messages, columns=["_row", "urgent"])
     return written.height == wanted.height and written.equals(wanted.select("_row", "urgent"))
 

@@ -84,3 +84,24 @@ def test_slices_do_not_change_what_a_run_asks(
     urgent = whole_requests.filter(pl.col("custom_id").is_not_null())["urgent"]
     assert 0 < urgent.sum() < urgent.len()
     assert whole_requests.equals(sliced_requests)
+
+
+def test_a_first_night_writes_each_message_once_however_the_slices_fall(
+    emulator, clean_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = write_job(clean_env, rows=300, eval_rows=5)
+    messages = pl.read_csv(clean_env / "messages.csv")
+    copies = messages.with_columns(("dup-" + pl.col("message_id")).alias("message_id"))
+    pl.concat([messages, copies]).write_csv(clean_env / "messages.csv")  # each text twice
+    monkeypatch.setattr(tasks.dedupe, "_SLICE_ROWS", 173)  # the copies fall in later slices
+    state = clean_env / "state.duckdb"
+    settings = Settings().with_overrides(state=str(state), db=str(clean_env / "lowtide.duckdb"))
+    with run_context(settings, load_job(str(job)), emulator.base_url) as ctx:
+        run_id = open_run(ctx)
+        prepare(ctx, run_id)
+        to_send = pl.read_parquet(ctx.work_dir(run_id) / "to_send.parquet")
+    # the messages file was kept as it is (renamed, so it still numbers its rows), not copied
+    assert "_row" in to_send.columns
+    assert to_send["custom_id"].is_unique().all()
+    asked = query(state, "SELECT count(DISTINCT custom_id) AS n FROM requests")["n"][0]
+    assert to_send.height == asked
