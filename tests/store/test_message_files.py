@@ -149,9 +149,9 @@ def test_a_lost_file_refuses_to_send_and_the_next_run_stores_the_messages_anew(
 def test_lines_of_many_batches_read_each_file_a_slice_at_a_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from lowtide.store import manifest
+    from lowtide.store import lines
 
-    monkeypatch.setattr(manifest, "_LINES_PER_PART", 2)
+    monkeypatch.setattr(lines, "_LINES_PER_PART", 2)
     store = Store(tmp_path / "state.duckdb")
     first = _manifest(store, tmp_path, "r1", ["e", "a", "c", "b", "d"])
     second = _manifest(store, tmp_path, "r2", ["c", "f", "g"])  # c: in r1's file
