@@ -48,6 +48,9 @@ class FileWriter:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        # a new file, never the old one rewritten in place: a run's messages file is also
+        # linked beside the state file (`message_files.keep`), and must not change under it
+        self.path.unlink(missing_ok=True)
         self._writer: pq.ParquetWriter | None = None
         self.rows = 0
 

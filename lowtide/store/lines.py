@@ -148,6 +148,7 @@ class LinesStore(Database):
                 "(custom_id) LEFT JOIN request_templates t USING (template_id)"
             ).to_arrow_reader(_LINES_PER_PART)
             for lines in reader:
+                self._require_lines(lines.column("line").null_count)
                 found += lines.num_rows
                 sink(lines)
             con.unregister("m")
@@ -178,8 +179,8 @@ class LinesStore(Database):
         """Refuse to send requests whose line cannot be built (their messages file is gone)."""
         if missing:
             raise LowtideError(
-                f"{missing} request(s) to send have no message: the file holding it is missing "
-                f"from {self.messages_dir} (it is part of the state, like the state file; "
+                f"{missing} request(s) to send have no message: the file that holds it in "
+                f"{self.messages_dir} is missing or lacks it (the folder is part of the state; "
                 "restore it from the same backup). Nothing was sent. Without it, cancel the run "
                 "(`lowtide cancel RUN_ID`) and run the job again: the new run stores the "
                 "messages anew"

@@ -15,7 +15,7 @@ import polars as pl
 import pytest
 
 from lowtide.errors import LowtideError
-from lowtide.store import Store
+from lowtide.store import Store, message_files
 from tests.sql import query, scalar
 
 
@@ -178,3 +178,19 @@ def test_lines_of_many_batches_read_each_file_a_slice_at_a_time(
     pl.read_parquet(kept).filter(pl.col("custom_id") != "g").write_parquet(kept)
     with pytest.raises(LowtideError, match=r"1 request\(s\) to send have no message"):
         store.each_batch_lines(batches, lambda part: None)
+
+
+def test_a_kept_file_does_not_change_when_its_run_writes_the_work_file_again(
+    tmp_path: Path,
+) -> None:
+    from lowtide.slices import FileWriter
+
+    work = tmp_path / "to_send.parquet"
+    first = pl.DataFrame({"custom_id": ["a"], "user": ["first"]})
+    first.write_parquet(work)
+    name = message_files.keep(tmp_path / "kept", work, "r1")
+    again = FileWriter(work)  # a resumed run's dedupe writes its file anew
+    again.write(pl.DataFrame({"custom_id": ["b"], "user": ["second"]}))
+    again.close()
+    assert pl.read_parquet(tmp_path / "kept" / name).equals(first)
+    assert pl.read_parquet(work)["user"].to_list() == ["second"]
