@@ -431,7 +431,7 @@ MIGRATIONS.append(
     (
         17,
         "a request's message may live in its run's messages file beside the state file",
-        # the file (in `ManifestStore.messages_dir`) that holds the request's message; NULL:
+        # the file (in `LinesStore.messages_dir`) that holds the request's message; NULL:
         # the message is `user_message`, or the request carries a whole `line`
         "ALTER TABLE requests ADD COLUMN message_file VARCHAR;",
     )
