@@ -164,10 +164,7 @@ def finish(ctx: RunContext, run_id: str) -> None:
     progress.report("publish")
     publish_task(ctx, run_id)
     # the run's messages are needed no more, but for requests still without an answer
-    try:
-        ctx.store.prune_messages()
-    except OSError as e:  # the run is done; its leftover file is cut at the next run's end
-        stage_log("publish", "messages files in %s not cut down: %s", ctx.store.messages_dir, e)
+    ctx.store.prune_messages()
     if not ctx.keep_work_dir:
         # everything the run needs is in the state file now; its parquet files only took space
         shutil.rmtree(ctx.work_dir(run_id), ignore_errors=True)

@@ -7,6 +7,7 @@ in `requests.user_message` (files from before migration 17), or in the messages 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from lowtide.request_lines import RequestLines
 from lowtide.slices import file_slices
 from lowtide.store import message_files
 from lowtide.store._db import Database, frame
-from lowtide.vocabulary import ANSWERED, RESUMABLE_RUN, sql_list
+from lowtide.vocabulary import ANSWERED, IN_FLIGHT_RUN, sql_list
 
 LINE_SQL = (
     "coalesce(q.line, t.head || '\"' || q.custom_id || '\"' || t.mid || "
@@ -37,6 +38,8 @@ _WITH_MESSAGE = (
 )
 
 
+log = logging.getLogger(__name__)
+
 _LINES_PER_PART = 50_000
 """Lines `each_batch_lines` hands over at a time (an Arrow record batch each)."""
 
@@ -50,22 +53,36 @@ class LinesStore(Database):
         return message_files.folder_of(self.path)
 
     def prune_messages(self) -> int:
+        """`_prune_messages`, for a run that is done: a failure is logged, not raised (the files
+        are cut when the next run ends)."""
+        try:
+            return self._prune_messages()
+        except (OSError, duckdb.Error, pl.exceptions.PolarsError) as e:
+            log.warning("messages files in %s not cut down: %s", self.messages_dir, e)
+            return 0
+
+    def _prune_messages(self) -> int:
         """Cut each messages file that no unfinished run may still write or send from down to
         the messages of its requests without an answer (a retry or a later run may still send
-        those); a file left with none is removed. Returns how many files were cut or removed."""
+        those) or asked by an unfinished run; a file left with none is removed. Returns how many
+        files were cut or removed."""
         live = self._query(
-            "SELECT run_id FROM runs WHERE list_contains(?, status)", [sql_list(RESUMABLE_RUN)]
+            "SELECT run_id FROM runs WHERE list_contains(?, status)", [sql_list(IN_FLIGHT_RUN)]
         )["run_id"].to_list()
         files = message_files.prunable(self.messages_dir, live)
         if not files:
             return 0
         with self._connect() as con:
             con.register("names", pl.DataFrame({"message_file": [f.name for f in files]}))
+            con.register("live", pl.DataFrame({"run_id": live}, schema={"run_id": pl.String}))
+            # kept: what has no answer yet, and what an unfinished run asks (it may have found
+            # the request unanswered and be about to send it with this file's message)
             unanswered = frame(
                 con,
                 "SELECT q.message_file, q.custom_id FROM requests q "
                 "JOIN names USING (message_file) LEFT JOIN results r USING (custom_id) "
-                "WHERE NOT coalesce(list_contains(?, r.outcome), false)",
+                "WHERE NOT coalesce(list_contains(?, r.outcome), false) OR q.custom_id IN "
+                "(SELECT custom_id FROM units JOIN live USING (run_id))",
                 [list(ANSWERED)],
             )
         changed = 0
@@ -77,10 +94,12 @@ class LinesStore(Database):
     def batch_lines(self, batch_id: str) -> RequestLines:
         """The JSONL lines of a batch, exactly as they are sent, built in the database and kept
         in Arrow (`RequestLines`)."""
+        members = "batch_requests br JOIN requests q USING (custom_id) WHERE br.batch_id = ?"
         with self._connect() as con:
+            messages = self._with_message(con, members, [batch_id])
             rows = con.sql(
                 f"SELECT {LINE_SQL} AS line FROM batch_requests br JOIN requests q USING (custom_id) "
-                f"LEFT JOIN request_templates t USING (template_id){self._with_message()} "
+                f"LEFT JOIN request_templates t USING (template_id){messages} "
                 "WHERE br.batch_id = ? ORDER BY q.custom_id",
                 params=[batch_id],
             ).to_arrow_table()
@@ -162,18 +181,27 @@ class LinesStore(Database):
             con.register(
                 "wanted", pl.DataFrame({"custom_id": custom_ids}, schema={"custom_id": pl.String})
             )
+            messages = self._with_message(con, "requests q JOIN wanted USING (custom_id)")
             lines = frame(
                 con,
                 f"SELECT q.custom_id, q.request_key, {LINE_SQL} AS line, q.est_input_tokens, "
                 "r.error, r.finish_reason FROM requests q JOIN wanted USING (custom_id) "
-                f"LEFT JOIN request_templates t USING (template_id){self._with_message()} "
+                f"LEFT JOIN request_templates t USING (template_id){messages} "
                 "LEFT JOIN results r USING (custom_id)",
             )
         self._require_lines(lines["line"].null_count())
         return lines
 
-    def _with_message(self) -> str:
-        return _WITH_MESSAGE.format(messages=message_files.relation(self.messages_dir))
+    def _with_message(
+        self, con: duckdb.DuckDBPyConnection, requests: str, params: list[str] | None = None
+    ) -> str:
+        """The join that gives the `requests` (SQL naming them `q`) their messages: only the
+        files they name are read."""
+        names = con.execute(
+            f"SELECT DISTINCT q.message_file FROM {requests}", params or []
+        ).fetchall()
+        relation = message_files.relation(self.messages_dir, (n for (n,) in names))
+        return _WITH_MESSAGE.format(messages=relation)
 
     def _require_lines(self, missing: int) -> None:
         """Refuse to send requests whose line cannot be built (their messages file is gone)."""

@@ -205,16 +205,24 @@ class ManifestStore(LinesStore):
     def _insert_slices(
         self, requests: pl.DataFrame, message_file: str, insert: str, run_id: str
     ) -> None:
-        with self._transaction() as con:
-            # a request stored already whose message can no longer be read (its file lost)
-            # takes its message from this file: the same request, so the same message
+        with self._connect() as con:
             con.register("incoming", requests.select("custom_id"))
-            con.execute(
-                "UPDATE requests SET message_file = ? WHERE line IS NULL AND user_message IS NULL "
-                "AND NOT list_contains(?, coalesce(message_file, '')) "
-                "AND custom_id IN (SELECT custom_id FROM incoming)",
-                [message_file, message_files.kept_names(self.messages_dir)],
+            stored = frame(
+                con,
+                "SELECT custom_id, message_file FROM requests WHERE line IS NULL "
+                "AND user_message IS NULL AND custom_id IN (SELECT custom_id FROM incoming)",
             )
+        # a request stored already whose message can no longer be read (its file lost or cut)
+        # takes its message from this file: the same request, so the same message
+        lost = message_files.unreadable(self.messages_dir, stored)
+        if lost.len():
+            with self._transaction() as con:
+                con.register("lost", lost.to_frame())
+                con.execute(
+                    "UPDATE requests SET message_file = ? "
+                    "WHERE custom_id IN (SELECT custom_id FROM lost)",
+                    [message_file],
+                )
         for part in requests.iter_slices(INSERT_SLICE_ROWS):
             with self._transaction() as con:
                 con.register("incoming", part)

@@ -56,9 +56,11 @@ def keep(folder: Path, messages: Path, run_id: str) -> str:
     return name
 
 
-def relation(folder: Path) -> str:
-    """SQL for (custom_id, user, message_file) of every kept file: what a line is built from."""
-    files = sorted(folder.glob("*.parquet")) if folder.is_dir() else []
+def relation(folder: Path, names: Iterable[str]) -> str:
+    """SQL for (custom_id, user, message_file) of the kept files `names` (those that exist): what
+    a line is built from. Only the files a query's requests name are read, so a file of another
+    run, being cut down or damaged, never stands in the way."""
+    files = sorted({folder / n for n in names if n and (folder / n).is_file()})
     if not files:
         return NO_MESSAGES
     paths = ", ".join(literal(str(f)) for f in files)
@@ -68,18 +70,29 @@ def relation(folder: Path) -> str:
     )
 
 
-def kept_names(folder: Path) -> list[str]:
-    return sorted(f.name for f in folder.glob("*.parquet")) if folder.is_dir() else []
+def unreadable(folder: Path, stored: pl.DataFrame) -> pl.Series:
+    """The custom_ids of `stored` (custom_id, message_file) whose message cannot be read from
+    `folder`: their file is gone, damaged or lacks them."""
+    lost = [stored.filter(pl.col("message_file").is_null())["custom_id"]]
+    named = stored.filter(pl.col("message_file").is_not_null())
+    for (name,), rows in named.group_by("message_file"):
+        try:
+            held = pl.read_parquet(folder / str(name), columns=["custom_id"])["custom_id"]
+        except (OSError, pl.exceptions.PolarsError):
+            held = pl.Series("custom_id", [], dtype=pl.String)
+        lost.append(rows.filter(~pl.col("custom_id").is_in(held.implode()))["custom_id"])
+    return pl.concat(lost)
 
 
 def prunable(folder: Path, live_runs: Iterable[str]) -> list[Path]:
-    """The files no unfinished run may still be writing or sending from: every file but those
-    of `live_runs` (a run between keeping its file and storing the requests that name it is
-    one of them)."""
+    """The files (kept or left half-written) no unfinished run may still be writing or sending
+    from: all but those of `live_runs` (a run between keeping its file and storing the requests
+    that name it is one of them). Anything else in the folder is not lowtide's and left be."""
     if not folder.is_dir():
         return []
     prefixes = tuple(f"{run}." for run in live_runs)
-    return sorted(f for f in folder.iterdir() if not (prefixes and f.name.startswith(prefixes)))
+    ours = (f for f in folder.iterdir() if f.name.endswith((".parquet", ".partial")))
+    return sorted(f for f in ours if not (prefixes and f.name.startswith(prefixes)))
 
 
 def cut_to(path: Path, wanted: pl.Series) -> int:
@@ -98,7 +111,7 @@ def cut_to(path: Path, wanted: pl.Series) -> int:
         .filter(pl.col("custom_id").is_in(wanted.implode()))
         .collect()
     )
-    partial = path.with_name(path.name + ".partial")
+    partial = path.with_name(f"{path.name}.{secrets.token_hex(4)}.partial")
     kept.write_parquet(partial, compression=WORK_FILE_COMPRESSION)
     _fsync(partial)
     os.replace(partial, path)

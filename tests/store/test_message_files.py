@@ -60,6 +60,18 @@ def _answer(store: Store, outcomes: dict[str, str]) -> None:
         con.close()
 
 
+def _open(store: Store, run_id: str) -> None:
+    store.open_run(
+        run_id=run_id,
+        job="j",
+        job_fingerprint="f",
+        job_file="j.toml",
+        backend="openai",
+        model="m",
+        input_fingerprint="i",
+    )
+
+
 def _kept(store: Store) -> dict[str, list[str]]:
     return {
         f.name: sorted(pl.read_parquet(f)["custom_id"].to_list())
@@ -101,15 +113,7 @@ def test_a_finished_runs_file_keeps_only_what_may_still_be_sent(tmp_path: Path) 
 
 def test_an_unfinished_runs_file_is_left_alone(tmp_path: Path) -> None:
     store = Store(tmp_path / "state.duckdb")
-    store.open_run(
-        run_id="r1",
-        job="j",
-        job_fingerprint="f",
-        job_file="j.toml",
-        backend="openai",
-        model="m",
-        input_fingerprint="i",
-    )
+    _open(store, "r1")
     _manifest(store, tmp_path, "r1", ["a", "b"])
     _answer(store, {"a": "ok", "b": "ok"})
     assert store.prune_messages() == 0  # its retry rounds may still read it
@@ -194,3 +198,49 @@ def test_a_kept_file_does_not_change_when_its_run_writes_the_work_file_again(
     again.close()
     assert pl.read_parquet(tmp_path / "kept" / name).equals(first)
     assert pl.read_parquet(work)["user"].to_list() == ["second"]
+
+
+def test_a_message_an_unfinished_run_asks_is_kept_though_answered(tmp_path: Path) -> None:
+    store = Store(tmp_path / "state.duckdb")
+    _manifest(store, tmp_path, "r1", ["a", "b"])
+    # r2 found `a` unanswered and is about to send it: its stored row names r1's file
+    _open(store, "r2")
+    units = pl.DataFrame(
+        {
+            "unit_id": ["u1"],
+            "source_id": ["s1"],
+            "kind": ["row"],
+            "chunk_index": [0],
+            "n_chunks": [1],
+            "unit_tokens": [3],
+            "custom_id": ["a"],
+            "cache_hit": [False],
+        }
+    )
+    store.save_units("r2", units)
+    _answer(store, {"a": "ok", "b": "ok"})  # then r1 got both answers and ended
+    assert store.prune_messages() == 1
+    assert list(_kept(store).values()) == [["a"]]
+    assert store.request_lines(["a"])["line"].to_list() == ['H"a"M"message a"T']
+
+
+def test_a_file_that_lacks_a_stored_message_is_mended_by_the_next_manifest(
+    tmp_path: Path,
+) -> None:
+    store = Store(tmp_path / "state.duckdb")
+    _manifest(store, tmp_path, "r1", ["a", "b"])
+    kept = next(store.messages_dir.iterdir())
+    pl.read_parquet(kept).filter(pl.col("custom_id") == "a").write_parquet(kept)  # b is lost
+    second = _manifest(store, tmp_path, "r2", ["b", "c"])
+    assert list(store.batch_lines(second)) == ['H"b"M"message b"T', 'H"c"M"message c"T']
+
+
+def test_lines_read_only_the_files_their_requests_name(tmp_path: Path) -> None:
+    store = Store(tmp_path / "state.duckdb")
+    first = _manifest(store, tmp_path, "r1", ["a"])
+    (store.messages_dir / "other.1234.parquet").write_bytes(b"not parquet")  # another run's
+    (store.messages_dir / "notes.txt").write_text("not lowtide's")
+    assert list(store.batch_lines(first)) == ['H"a"M"message a"T']
+    assert store.request_lines(["a"])["line"].to_list() == ['H"a"M"message a"T']
+    store.prune_messages()  # the damaged file is cut like any other; the stranger is left be
+    assert (store.messages_dir / "notes.txt").exists()
