@@ -30,15 +30,15 @@ LINE_SQL = (
 """A request's line: stored whole (re-asks), or rebuilt from its template and message (stored,
 or in its messages file: joined as `m` by `_WITH_MESSAGE`)."""
 
-_NO_FILE = " CROSS JOIN (SELECT NULL::VARCHAR AS user) m"
-"""Stands for the messages file where no request read needs one (`LINE_SQL` names `m.user`)."""
-
 _WITH_MESSAGE = (
     " LEFT JOIN {messages} m ON m.message_file = q.message_file AND m.custom_id = q.custom_id"
 )
 
 
 log = logging.getLogger(__name__)
+
+_NO_FILE_NEEDED = _WITH_MESSAGE.format(messages=message_files.NO_MESSAGES)
+"""The messages join for requests that need no file (`LINE_SQL` still names `m.user`)."""
 
 _LINES_PER_PART = 50_000
 """Lines `each_batch_lines` hands over at a time (an Arrow record batch each)."""
@@ -123,7 +123,7 @@ class LinesStore(Database):
             # lines that need no file: sent whole (re-asks), or their message stored in the table
             reader = con.sql(
                 f"SELECT br.batch_id, q.custom_id, {LINE_SQL} AS line FROM {members} "
-                f"LEFT JOIN request_templates t USING (template_id){_NO_FILE} "
+                f"LEFT JOIN request_templates t USING (template_id){_NO_FILE_NEEDED} "
                 "WHERE q.message_file IS NULL"
             ).to_arrow_reader(_LINES_PER_PART)
             for part in reader:
