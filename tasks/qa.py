@@ -25,6 +25,11 @@ def sample_order(unit_ids: pl.Series, seed: int) -> pl.Series:
     return md5_fraction(unit_ids, seed)
 
 
+def no_sample() -> pl.DataFrame:
+    """An empty review sample."""
+    return pl.DataFrame(schema={"unit_id": pl.String, "source_id": pl.String, "output": pl.String})
+
+
 def qa_sample(
     outcomes: pl.DataFrame, rate: float, seed: int, stratify_by: str | None = None
 ) -> pl.DataFrame:
@@ -33,10 +38,9 @@ def qa_sample(
     With `stratify_by` (an enum output field), each label gets its share of the sample and at
     least one unit, so rare labels are reviewed too.
     """
-    empty = pl.DataFrame(schema={"unit_id": pl.String, "source_id": pl.String, "output": pl.String})
     rows = outcomes.filter((pl.col("kind") == "row") & pl.col("outcome").is_in(ANSWERED))
     if rows.is_empty() or rate <= 0:
-        return empty
+        return no_sample()
     rows = rows.with_columns(sample_order(rows["unit_id"], seed).alias("_k"))
     if stratify_by is None:
         return rows.filter(pl.col("_k") < rate).select("unit_id", "source_id", "output")
@@ -121,13 +125,21 @@ def _gold(ctx: RunContext, run_id: str) -> pl.DataFrame | None:
 def qa_task(ctx: RunContext, run_id: str) -> dict:
     """The review sample and the eval scores; `hold` lists the eval gate's reasons to hold."""
     job, store = ctx.job, ctx.store
-    outcomes = store.run_unit_outcomes(run_id)
+    gold = _gold(ctx, run_id) if job.qa.eval_set else None
+    # every unit's answer (~100 MB at a million units) is read only when a sample or the eval
+    # set looks at answers
+    outcomes = (
+        store.run_unit_outcomes(run_id) if job.qa.sample_rate > 0 or gold is not None else None
+    )
     enums = list(job.enum_fields())
-    sample = qa_sample(outcomes, job.qa.sample_rate, job.qa.seed, enums[0] if enums else None)
+    sample = (
+        no_sample()
+        if outcomes is None
+        else qa_sample(outcomes, job.qa.sample_rate, job.qa.seed, enums[0] if enums else None)
+    )
     store.replace_rows("qa_samples", run_id, sample)
     result: dict = {"qa_samples": sample.height, "eval_accuracy": None, "hold": []}
-    gold = _gold(ctx, run_id) if job.qa.eval_set else None
-    if gold is not None:
+    if gold is not None and outcomes is not None:
         fields = [f for f in job.output_schema.get("properties", {}) if f in gold.columns]
         scores = eval_scores(outcomes, gold, fields, job.name)
         store.replace_rows("eval_scores", run_id, scores)

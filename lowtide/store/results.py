@@ -134,11 +134,15 @@ class ResultsStore(Database):
             {"run": run_id, "realtime": REALTIME_BACKEND},
         )
 
-    def run_unit_outcomes(self, run_id: str, with_output: bool = True) -> pl.DataFrame:
+    def run_unit_outcomes(
+        self, run_id: str, with_output: bool = True, ordered: bool = True
+    ) -> pl.DataFrame:
         """Every unit of a run with its request's outcome (null if not answered yet); without
         `with_output`, no answer JSON (the widest column: ~100 MB at a million units, for
-        callers that only count)."""
+        callers that only count); without `ordered`, in no particular order (sorting a million
+        units by kind, source_id and chunk_index doubled the query's CPU: 1.3 -> 2.5 s)."""
         output = "r.output, " if with_output else ""
+        order = "ORDER BY u.kind, u.source_id, u.chunk_index" if ordered else ""
         return self._query(
             f"""
             SELECT u.unit_id, u.source_id, u.kind, u.chunk_index, u.n_chunks, u.unit_tokens,
@@ -147,7 +151,7 @@ class ResultsStore(Database):
                    r.cached_tokens, r.output_tokens, r.run_id AS answered_in_run
             FROM units u LEFT JOIN results r USING (custom_id)
             WHERE u.run_id = ?
-            ORDER BY u.kind, u.source_id, u.chunk_index
+            {order}
             """,
             [run_id],
         )

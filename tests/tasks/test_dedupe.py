@@ -196,3 +196,17 @@ def test_to_send_is_the_messages_file_itself_only_when_it_holds_exactly_what_is_
         ("b", "message b", False),
         ("c", "message c", False),
     ]
+
+
+def test_an_id_is_first_written_once_across_slices_and_others_pass() -> None:
+    written = dedupe.WrittenIds()
+    first = pl.DataFrame({"custom_id": ["a", "b"], "_row": [0, 1]})
+    assert written.first_time(first)["custom_id"].to_list() == ["a", "b"]
+    # a later slice: "b" was written already, "c" and "d" are new
+    later = pl.DataFrame({"custom_id": ["c", "b", "d"], "_row": [2, 3, 4]})
+    kept = written.first_time(later)
+    assert kept.to_dict(as_series=False) == {"custom_id": ["c", "d"], "_row": [2, 4]}
+    assert written.first_time(pl.DataFrame({"custom_id": ["d", "a"], "_row": [5, 6]})).is_empty()
+    # a slice of nothing new, and an empty slice, change nothing
+    assert written.first_time(first.clear()).is_empty()
+    assert written.first_time(pl.DataFrame({"custom_id": ["e"], "_row": [7]})).height == 1
