@@ -31,6 +31,8 @@ _TRANSIENT_ERROR = re.compile(
     r"HTTP (408|409|429|5\d\d)|overloaded|api_error|rate_limit|timeout|server_error", re.I
 )
 _RETRYABLE = ("expired", "cancelled")
+ACTED_ON = ("provider_error", *_RETRYABLE, "parse_failed")
+"""The outcomes `retry_plan` may act on: a round reads only the requests that ended so."""
 
 
 def retry_plan(
@@ -143,7 +145,7 @@ def retry_round_task(ctx: RunContext, run_id: str) -> bool:
     if run["status"] == RunStatus.CANCELLING.value:
         return False
     plan = retry_plan(
-        store.run_request_outcomes(run_id),
+        store.run_request_outcomes(run_id, ACTED_ON),
         job.retry,
         past_deadline=deadline_passed(run.get("started_at"), job.retry.deadline_hours),
     )
