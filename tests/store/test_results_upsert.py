@@ -104,3 +104,24 @@ def test_attempts_count_each_batch_once_however_often_a_request_is_named(
     # several batches' results stored together name x once per batch it came back in
     counts = store.attempt_counts(pl.Series(["x", "y", "x"])).sort("custom_id")
     assert counts.rows() == [("x", 2), ("y", 1)]
+
+
+def test_a_retry_round_reads_only_the_requests_whose_outcome_it_may_act_on(
+    tmp_path: Path,
+) -> None:
+    from tasks.retry import ACTED_ON
+
+    store = Store(tmp_path / "state.duckdb")
+    _sent(store, "r1", ["x", "y", "z", "w"])
+    store.upsert_results(
+        _results("r1", {"x": "ok", "y": "provider_error", "z": "parse_failed", "w": "missing"})
+    )
+    every = store.run_request_outcomes("r1").sort("custom_id")
+    assert every["custom_id"].to_list() == ["w", "x", "y", "z"]
+    acted = store.run_request_outcomes("r1", ACTED_ON).sort("custom_id")
+    assert acted.select("custom_id", "outcome", "batch_attempts").rows() == [
+        ("y", "provider_error", 1),
+        ("z", "parse_failed", 1),
+    ]
+    # the rows it reads are those of the full read
+    assert acted.equals(every.filter(pl.col("custom_id").is_in(["y", "z"])))
