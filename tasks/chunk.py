@@ -183,7 +183,9 @@ def chunk_units(
     tail is tokenized, and with a memo only the texts no earlier run cut. Null or
     whitespace-only text becomes an empty unit, which is never sent and fails with a reason.
     """
-    blank = pl.col("text").is_null() | (pl.col("text").str.strip_chars() == "")
+    # no character but whitespace (Unicode's, as strip_chars has it); found without a stripped
+    # copy of every text (1.1 -> 0.2 s of CPU at a million rows)
+    blank = pl.col("text").is_null() | ~pl.col("text").str.contains(r"\S")
     rows = rows.with_columns(
         pl.when(blank).then(pl.lit("")).otherwise(pl.col("text")).alias("text")
     )

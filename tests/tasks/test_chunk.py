@@ -408,3 +408,21 @@ def test_counting_within_a_limit_takes_the_long_way_where_the_counter_cannot() -
     several_slices = "many words here " * 5_000  # 80,000 characters: encoded a slice at a time
     assert tokens.count_within(several_slices, 10**6) == count_tokens(several_slices)
     assert tokens.count_within(several_slices, 100) is None
+
+
+def test_null_and_whitespace_only_texts_become_empty_units_and_others_pass_whole() -> None:
+    texts = [None, "", "  ", "\n\t\r", "\u00a0\u2003\u3000", " a ", "\u00a0x", "ok"]
+    rows = pl.DataFrame({"source_id": [str(i) for i in range(len(texts))], "text": texts})
+    units = chunk_units(rows, max_tokens=64).sort("source_id")
+    assert units["text"].to_list() == ["", "", "", "", "", " a ", "\u00a0x", "ok"]
+    # the test that decides: nothing but whitespace as Python (and strip) knows it
+    assert [t is None or not t.strip() for t in texts] == [u == "" for u in units["text"]]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.text(alphabet=st.sampled_from(" \t\n\r\x0b\x0c\x85\xa0\u2028\u3000\x1fa"))))
+def test_blank_is_what_stripping_whitespace_leaves_empty(texts: list[str]) -> None:
+    frame = pl.DataFrame({"t": texts}, schema={"t": pl.String})
+    stripped = frame.select(pl.col("t").str.strip_chars() == "")["t"]
+    found = frame.select(~pl.col("t").str.contains(r"\S"))["t"]
+    assert stripped.to_list() == found.to_list()
