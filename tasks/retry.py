@@ -20,7 +20,7 @@ from lowtide.crashpoints import crash_point
 from lowtide.jobspec import RetrySpec
 from lowtide.orchestration import task
 from lowtide.runlog import stage_log
-from lowtide.vocabulary import RunStatus
+from lowtide.vocabulary import Outcome, RunStatus
 from tasks.assemble import BATCH_ROW_SCHEMA, plan_batches
 from tasks.realtime import deadline_passed, plan_realtime
 
@@ -31,7 +31,9 @@ _TRANSIENT_ERROR = re.compile(
     r"HTTP (408|409|429|5\d\d)|overloaded|api_error|rate_limit|timeout|server_error", re.I
 )
 _RETRYABLE = ("expired", "cancelled")
-ACTED_ON = ("provider_error", *_RETRYABLE, "parse_failed")
+_ERRORED = Outcome.PROVIDER_ERROR.value  # retried when its error is transient
+_UNPARSEABLE = Outcome.PARSE_FAILED.value  # re-asked
+ACTED_ON = (_ERRORED, *_RETRYABLE, _UNPARSEABLE)
 """The outcomes `retry_plan` may act on: a round reads only the requests that ended so."""
 
 
@@ -43,15 +45,15 @@ def retry_plan(
     `outcomes`: one row per request of the run with custom_id, outcome, error, finish_reason,
     batch_attempts, realtime_attempts and has_reask.
     """
-    transient = (pl.col("outcome") == "provider_error") & pl.col("error").fill_null(
-        ""
-    ).str.contains(_TRANSIENT_ERROR.pattern)
+    transient = (pl.col("outcome") == _ERRORED) & pl.col("error").fill_null("").str.contains(
+        _TRANSIENT_ERROR.pattern
+    )
     retryable = transient | pl.col("outcome").is_in(_RETRYABLE)
     can_batch = pl.col("batch_attempts") < spec.max_attempts
     untried_realtime = pl.col("realtime_attempts") == 0
     resubmit = pl.lit(False) if past_deadline else retryable & can_batch
     realtime = retryable & ~resubmit & untried_realtime & pl.lit(spec.realtime_fallback)
-    reask = (pl.col("outcome") == "parse_failed") & ~pl.col("has_reask") & pl.lit(spec.reask)
+    reask = (pl.col("outcome") == _UNPARSEABLE) & ~pl.col("has_reask") & pl.lit(spec.reask)
     plan = outcomes.select(
         "custom_id", resubmit.alias("resubmit"), realtime.alias("realtime"), reask.alias("reask")
     )
