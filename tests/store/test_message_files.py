@@ -17,6 +17,7 @@ import pytest
 from lowtide.errors import LowtideError
 from lowtide.store import Store, message_files
 from tests.sql import query, scalar
+from tests.store.runs import RUN
 
 
 def _requests(ids: list[str]) -> pl.DataFrame:
@@ -61,15 +62,7 @@ def _answer(store: Store, outcomes: dict[str, str]) -> None:
 
 
 def _open(store: Store, run_id: str) -> None:
-    store.open_run(
-        run_id=run_id,
-        job="j",
-        job_fingerprint="f",
-        job_file="j.toml",
-        backend="openai",
-        model="m",
-        input_fingerprint="i",
-    )
+    store.open_run(run_id=run_id, **RUN)
 
 
 def _kept(store: Store) -> dict[str, list[str]]:
