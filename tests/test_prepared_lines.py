@@ -4,7 +4,7 @@ file that is missing, unfinished, stale or short is never sent in their place.""
 from __future__ import annotations
 
 import pyarrow as pa
-import pyarrow.parquet as pq
+import pyarrow.ipc as ipc
 import pytest
 
 from lowtide import prepared_lines
@@ -37,7 +37,7 @@ def test_prepared_lines_are_the_bytes_the_store_builds(planned) -> None:
         assert lines is not None, f"{batch_id}: no prepared lines"
         assert lines.jsonl() == store.batch_lines(batch_id).jsonl()  # same lines, same order
     assert sorted(p.name for p in (work / "lines").iterdir()) == sorted(
-        f"{b}.parquet" for b in batches["batch_id"]
+        f"{b}.arrow" for b in batches["batch_id"]
     )  # nothing unfinished left beside them
 
 
@@ -49,11 +49,13 @@ def test_a_missing_short_or_unfinished_file_is_not_used(planned) -> None:
     assert prepared_lines.read(work, first, 4) is None  # the batch row says another count
     prepared_lines.discard(work, second)
     assert prepared_lines.read(work, second, 3) is None
-    done = work / "lines" / f"{third}.parquet"
+    done = work / "lines" / f"{third}.arrow"
     done.rename(done.with_suffix(".partial"))  # as a crash mid-write leaves it
     assert prepared_lines.read(work, third, 3) is None
-    (work / "lines" / f"{ids[3]}.parquet").write_bytes(b"PAR1 cut short")
+    (work / "lines" / f"{ids[3]}.arrow").write_bytes(b"ARROW1 cut short")
     assert prepared_lines.read(work, ids[3], 3) is None
+    (work / "lines" / f"{ids[4]}.arrow").write_bytes(b"")  # as a full disk leaves it
+    assert prepared_lines.read(work, ids[4], 3) is None
 
 
 def test_an_earlier_attempts_file_is_replaced(planned) -> None:
@@ -61,7 +63,8 @@ def test_an_earlier_attempts_file_is_replaced(planned) -> None:
     ids = batches["batch_id"].to_list()
     (work / "lines").mkdir(parents=True)
     stale = pa.table({"custom_id": ["a", "b", "c"], "line": ["{}", "{}", "{}"]})
-    pq.write_table(stale, work / "lines" / f"{ids[0]}.parquet")
+    with ipc.new_file(work / "lines" / f"{ids[0]}.arrow", stale.schema) as writer:
+        writer.write_table(stale)
     prepared_lines.prepare(store, work, ids)
     lines = prepared_lines.read(work, ids[0], 3)
     assert lines is not None and lines.jsonl() == store.batch_lines(ids[0]).jsonl()
