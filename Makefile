@@ -10,10 +10,10 @@ export PREFECT_LOGGING_LEVEL ?= WARNING
 
 .PHONY: demo test lint format install clean bench-engine bench-pool bench-pool-sweep bench-pipeline bench-scale serve
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -138,6 +138,19 @@ def translate(exc: BaseException, operation: str, base_url: object = None) -> Ba
     return cls(f"{operation}: {exc}{where}", backend="anthropic", operation=operation)
 
 
+# A results stream broken while its body is read: anthropic before 2.17 lets the transport
+# error through; 2.17 and later wrap it in APIConnectionError (an APIError).
+STREAM_CUT_ERRORS = (httpx2.TransportError, anthropic.APIConnectionError)
+
+
+class _StreamCut(Exception):
+    """One results pass cut mid-body; `error` is what the SDK raised."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 # --------------------------------------------------------------------------- request lines
 
 
@@ -303,29 +316,34 @@ class AnthropicBatchBackend:
         rows: dict[str, dict[str, Any]] = {}
 
         def one_pass() -> None:
+            # Opening the stream is the SDK's request (retried by the SDK itself); a failure
+            # while reading the body is a cut, re-requested here.
             stream = self.client.messages.batches.results(provider_batch_id)
             try:
                 for item in stream:
                     if item.custom_id not in rows:
                         rows[item.custom_id] = result_row(item, self.structured_output)
+            except STREAM_CUT_ERRORS as e:
+                raise _StreamCut(e) from e
             finally:
                 stream.close()
 
         retrying = Retrying(
-            retry=retry_if_exception_type(httpx2.TransportError),
+            retry=retry_if_exception_type(_StreamCut),
             stop=stop_after_attempt(self.results_attempts),
             wait=wait_exponential_jitter(multiplier=0.05, max=2.0),
             reraise=True,
         )
         try:
             retrying(one_pass)
-        except httpx2.TransportError as e:
+        except _StreamCut as cut:
             raise TransientBackendError(
                 f"download: the results stream of {provider_batch_id} was cut "
-                f"{self.results_attempts} times ({len(rows)} results read so far): {e!r}",
+                f"{self.results_attempts} times ({len(rows)} results read so far): "
+                f"{cut.error!r}",
                 backend="anthropic",
                 operation="download",
-            ) from e
+            ) from cut.error
         except anthropic.AnthropicError as e:
             raise translate(e, "download") from e
         return rows_frame(rows.values())

@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import anthropic
-import httpx2
 import jsonschema
 import orjson
 import polars as pl
@@ -15,7 +14,12 @@ import pytest
 from anthropic.types.messages import MessageBatchIndividualResponse
 
 from lowtide.backends import anthropic_batch, make_backend
-from lowtide.backends.anthropic_batch import AnthropicBatchBackend, finish_reason, map_status
+from lowtide.backends.anthropic_batch import (
+    STREAM_CUT_ERRORS,
+    AnthropicBatchBackend,
+    finish_reason,
+    map_status,
+)
 from lowtide.backends.anthropic_params import batch_requests, to_anthropic_params
 from lowtide.backends.base import (
     RESULT_SCHEMA,
@@ -568,7 +572,8 @@ def test_results_stream_cut_every_time_is_transient(emu: Emulator, job: JobSpec)
     set_faults(emu, "drop:GET /v1/messages/batches/*/results:*")
     with pytest.raises(TransientBackendError, match="was cut 3 times") as info:
         backend.results(state)
-    assert isinstance(info.value.__cause__, httpx2.TransportError)
+    assert isinstance(info.value.__cause__, STREAM_CUT_ERRORS)
+    assert "peer closed connection" in str(info.value)
     assert info.value.operation == "download"
 
 
