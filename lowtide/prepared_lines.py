@@ -3,28 +3,28 @@
 Building one batch's lines in the store reads every message of its requests' files; at a
 million requests that cost ~1.7 s of CPU per 50,000-line batch, ~35 s for one night's twenty. So the
 run's unsent batches get their lines from one pass (`LinesStore.each_batch_lines`), written
-to an Arrow IPC file per batch in the run's work directory, and each send reads its own file.
-IPC, not parquet: each slice adds a few small pieces to every batch's file, and parquet paid
-for each piece (row-group pages, a dictionary tried on unique lines): 4.6 s of a 1M-row night's
-CPU under the profiler, where IPC only copies the bytes; reading back is a memory map.
+as the JSONL payload itself, a file per batch in the run's work directory, and each send uploads
+its file's bytes as they are. (Arrow IPC files before: each send then sorted its lines by
+custom_id, took them in that order and joined them into a payload, three copies of ~60 MB a
+batch, 3.5 s of a 1M-row night's CPU under the profiler.)
 
 The files are a cache of what the store would build, never a source of truth: a file missing,
 unfinished (written under a temporary name, renamed when complete) or of another line count
-than the batch's row is ignored, and the store builds the lines as before. Lines come back in
-`custom_id` order, as `batch_lines` gives them, so either way the same bytes are sent.
+than the batch's row is ignored, and the store builds the lines as before. A file holds the
+batch's lines in the order the pass met them, the store's own lines are in `custom_id` order:
+the same lines either way, and a provider reads a batch's lines as a set.
 """
 
 from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.ipc as ipc
 
-from lowtide.request_lines import RequestLines
+from lowtide.request_lines import JsonlLines, ended_lines
 
 if TYPE_CHECKING:
     from lowtide.store import Store
@@ -33,37 +33,35 @@ _FOLDER = "lines"
 
 
 def _path(work_dir: Path, batch_id: str) -> Path:
-    return work_dir / _FOLDER / f"{batch_id}.arrow"
+    return work_dir / _FOLDER / f"{batch_id}.jsonl"
 
 
 def prepare(store: Store, work_dir: Path, batch_ids: list[str]) -> None:
-    """Write the lines of `batch_ids`, one file per batch, replacing any an earlier attempt
-    left (the files live only between here and each batch's send). Worth it from two batches
-    on; a single batch is read from the store directly."""
+    """Write the lines of `batch_ids`, one JSONL file per batch, replacing any an earlier
+    attempt left (the files live only between here and each batch's send). Worth it from two
+    batches on; a single batch is read from the store directly."""
     if len(batch_ids) < 2:
         return
     for batch_id in batch_ids:
         discard(work_dir, batch_id)
     (work_dir / _FOLDER).mkdir(parents=True, exist_ok=True)
-    writers: dict[str, ipc.RecordBatchFileWriter] = {}
+    files: dict[str, BinaryIO] = {}
 
     def sink(part: pa.RecordBatch) -> None:
-        table = pa.Table.from_batches([part]).select(["custom_id", "line"])
-        ids = part.column("batch_id")
-        for batch_id in pc.unique(ids).to_pylist():  # a few batches per slice, not rows
-            rows = table.filter(pc.equal(ids, batch_id))
-            if batch_id not in writers:
-                writers[batch_id] = ipc.new_file(
-                    _unfinished(_path(work_dir, batch_id)), rows.schema
-                )
-            writers[batch_id].write_table(rows)
+        ids, lines = part.column("batch_id"), part.column("line")
+        names = pc.unique(ids).to_pylist()  # a few batches per slice, not rows
+        for batch_id in names:
+            rows = lines if len(names) == 1 else pc.filter(lines, pc.equal(ids, batch_id))
+            if batch_id not in files:
+                files[batch_id] = _unfinished(_path(work_dir, batch_id)).open("wb")
+            files[batch_id].write(ended_lines(rows))
 
     try:
         store.each_batch_lines(batch_ids, sink)
     finally:
-        for writer in writers.values():
-            writer.close()
-    for batch_id in writers:
+        for file in files.values():
+            file.close()
+    for batch_id in files:
         _unfinished(_path(work_dir, batch_id)).rename(_path(work_dir, batch_id))
 
 
@@ -71,19 +69,14 @@ def _unfinished(path: Path) -> Path:
     return path.with_suffix(".partial")
 
 
-def read(work_dir: Path, batch_id: str, n_requests: int) -> RequestLines | None:
-    """The batch's prepared lines in `custom_id` order, or None when there is no complete file
-    of exactly `n_requests` lines (the caller builds them from the store then)."""
-    path = _path(work_dir, batch_id)
+def read(work_dir: Path, batch_id: str, n_requests: int) -> JsonlLines | None:
+    """The batch's prepared lines, or None when there is no complete file of exactly
+    `n_requests` lines (the caller builds them from the store then)."""
     try:
-        # mapped, not read: the lines are copied once, by the sort below
-        table = ipc.open_file(pa.memory_map(str(path))).read_all()
-    except (OSError, pa.ArrowInvalid):
+        lines = JsonlLines(_path(work_dir, batch_id).read_bytes())
+    except (OSError, ValueError):
         return None
-    if table.num_rows != n_requests:
-        return None
-    ordered = table.take(pc.sort_indices(table, [("custom_id", "ascending")]))
-    return RequestLines(ordered.column("line"))
+    return lines if len(lines) == n_requests else None
 
 
 def discard(work_dir: Path, batch_id: str) -> None:

@@ -44,24 +44,62 @@ class RequestLines(Sequence[str]):
 
     def jsonl(self) -> bytes:
         """The lines as one JSONL payload, each ended by a newline."""
-        parts = []
-        for chunk in self._column.chunks:
-            ended = pc.binary_join_element_wise(
-                chunk, pa.scalar("", chunk.type), pa.scalar("\n", chunk.type)
-            )
-            if ended.null_count:
-                raise ValueError("a request line is missing (null)")
-            # the values buffer from the first line's start to the last one's end
-            width = pa.int64() if pa.types.is_large_string(ended.type) else pa.int32()
-            offsets = pa.Array.from_buffers(
-                width, len(ended) + 1, [None, ended.buffers()[1]], offset=ended.offset
-            )
-            parts.append(ended.buffers()[2][offsets[0].as_py() : offsets[-1].as_py()])
-        return b"".join(parts)
+        return b"".join(ended_lines(chunk) for chunk in self._column.chunks)
+
+
+def ended_lines(lines: pa.Array) -> pa.Buffer:
+    """Arrow string lines as JSONL bytes, each line ended by a newline: one copy of their
+    bytes, made by Arrow."""
+    ended = pc.binary_join_element_wise(
+        lines, pa.scalar("", lines.type), pa.scalar("\n", lines.type)
+    )
+    if ended.null_count:
+        raise ValueError("a request line is missing (null)")
+    # the values buffer from the first line's start to the last one's end
+    width = pa.int64() if pa.types.is_large_string(ended.type) else pa.int32()
+    offsets = pa.Array.from_buffers(
+        width, len(ended) + 1, [None, ended.buffers()[1]], offset=ended.offset
+    )
+    return ended.buffers()[2][offsets[0].as_py() : offsets[-1].as_py()]
+
+
+class JsonlLines(Sequence[str]):
+    """The lines of one batch as the JSONL payload itself (every line ended by a newline):
+    sent as they are, split into lines only for a backend that reads them one by one."""
+
+    def __init__(self, payload: bytes) -> None:
+        if payload and not payload.endswith(b"\n"):
+            raise ValueError("JSONL payload cut short: its last line has no newline")
+        self._payload = payload
+        self._count = payload.count(b"\n")
+        self._lines: list[str] | None = None
+
+    def _split(self) -> list[str]:
+        if self._lines is None:
+            self._lines = self._payload.decode("utf-8").split("\n")[:-1]
+        return self._lines
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+
+    def __getitem__(self, index: int | slice) -> str | list[str]:
+        return self._split()[index]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._split())
+
+    def jsonl(self) -> bytes:
+        return self._payload
 
 
 def jsonl_payload(lines: Iterable[str]) -> bytes:
-    """`lines` as one JSONL payload: straight from Arrow for the store's `RequestLines`."""
-    if isinstance(lines, RequestLines):
+    """`lines` as one JSONL payload: as they are for lines held as Arrow or JSONL bytes."""
+    if isinstance(lines, RequestLines | JsonlLines):
         return lines.jsonl()
     return "".join(line + "\n" for line in lines).encode("utf-8")

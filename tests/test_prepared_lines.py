@@ -1,10 +1,10 @@
-"""Lines prepared for sending in one pass are the very bytes the store builds per batch, and a
-file that is missing, unfinished, stale or short is never sent in their place."""
+"""Lines prepared for sending in one pass are the very lines the store builds per batch (in the
+order the pass met them), sent as the file's bytes, and a file that is missing, unfinished,
+stale or short is never sent in their place."""
 
 from __future__ import annotations
 
-import pyarrow as pa
-import pyarrow.ipc as ipc
+import orjson
 import pytest
 
 from lowtide import prepared_lines
@@ -29,15 +29,26 @@ def _counts(batches) -> dict[str, int]:
     return dict(zip(batches["batch_id"], batches["n_requests"], strict=True))
 
 
-def test_prepared_lines_are_the_bytes_the_store_builds(planned) -> None:
+def _same_lines(prepared, built) -> bool:
+    """The same lines, each once, whatever their order; the payload is exactly those lines."""
+    payload = prepared.jsonl()
+    return (
+        sorted(prepared) == sorted(built)
+        and payload == "".join(line + "\n" for line in prepared).encode()
+        and all(orjson.loads(line)["custom_id"] for line in prepared)
+    )
+
+
+def test_prepared_lines_are_the_lines_the_store_builds(planned) -> None:
     store, batches, work = planned
     prepared_lines.prepare(store, work, batches["batch_id"].to_list())
     for batch_id, n in _counts(batches).items():
         lines = prepared_lines.read(work, batch_id, n)
         assert lines is not None, f"{batch_id}: no prepared lines"
-        assert lines.jsonl() == store.batch_lines(batch_id).jsonl()  # same lines, same order
+        assert len(lines) == n
+        assert _same_lines(lines, store.batch_lines(batch_id))
     assert sorted(p.name for p in (work / "lines").iterdir()) == sorted(
-        f"{b}.arrow" for b in batches["batch_id"]
+        f"{b}.jsonl" for b in batches["batch_id"]
     )  # nothing unfinished left beside them
 
 
@@ -49,12 +60,13 @@ def test_a_missing_short_or_unfinished_file_is_not_used(planned) -> None:
     assert prepared_lines.read(work, first, 4) is None  # the batch row says another count
     prepared_lines.discard(work, second)
     assert prepared_lines.read(work, second, 3) is None
-    done = work / "lines" / f"{third}.arrow"
+    done = work / "lines" / f"{third}.jsonl"
     done.rename(done.with_suffix(".partial"))  # as a crash mid-write leaves it
     assert prepared_lines.read(work, third, 3) is None
-    (work / "lines" / f"{ids[3]}.arrow").write_bytes(b"ARROW1 cut short")
+    cut = work / "lines" / f"{ids[3]}.jsonl"
+    cut.write_bytes(cut.read_bytes()[:-5])  # three lines begun, the last one cut short
     assert prepared_lines.read(work, ids[3], 3) is None
-    (work / "lines" / f"{ids[4]}.arrow").write_bytes(b"")  # as a full disk leaves it
+    (work / "lines" / f"{ids[4]}.jsonl").write_bytes(b"")  # as a full disk leaves it
     assert prepared_lines.read(work, ids[4], 3) is None
 
 
@@ -62,12 +74,10 @@ def test_an_earlier_attempts_file_is_replaced(planned) -> None:
     store, batches, work = planned
     ids = batches["batch_id"].to_list()
     (work / "lines").mkdir(parents=True)
-    stale = pa.table({"custom_id": ["a", "b", "c"], "line": ["{}", "{}", "{}"]})
-    with ipc.new_file(work / "lines" / f"{ids[0]}.arrow", stale.schema) as writer:
-        writer.write_table(stale)
+    (work / "lines" / f"{ids[0]}.jsonl").write_bytes(b"{}\n{}\n{}\n")
     prepared_lines.prepare(store, work, ids)
     lines = prepared_lines.read(work, ids[0], 3)
-    assert lines is not None and lines.jsonl() == store.batch_lines(ids[0]).jsonl()
+    assert lines is not None and _same_lines(lines, store.batch_lines(ids[0]))
 
 
 def test_a_single_batch_is_left_to_the_store(planned) -> None:

@@ -7,7 +7,7 @@ import orjson
 import pyarrow as pa
 import pytest
 
-from lowtide.request_lines import RequestLines, jsonl_payload
+from lowtide.request_lines import JsonlLines, RequestLines, jsonl_payload
 
 LINES = [
     orjson.dumps({"custom_id": f"c{i}", "body": {"messages": [{"content": text}]}}).decode()
@@ -39,3 +39,17 @@ def test_the_payload_is_the_lines_each_ended_by_a_newline(column: pa.ChunkedArra
 def test_a_missing_line_is_an_error_not_a_shorter_file() -> None:
     with pytest.raises(ValueError, match="missing"):
         RequestLines(pa.chunked_array([["a", None, "b"]])).jsonl()
+
+
+def test_jsonl_lines_are_sent_as_the_payload_and_read_line_by_line() -> None:
+    payload = "".join(line + "\n" for line in LINES).encode()
+    lines = JsonlLines(payload)
+    assert len(lines) == len(LINES)
+    assert list(lines) == LINES and lines[2] == LINES[2] and lines[1:3] == LINES[1:3]
+    assert jsonl_payload(lines) is payload  # sent as it is, no copy
+    assert len(JsonlLines(b"")) == 0
+
+
+def test_a_jsonl_payload_whose_last_line_is_cut_short_is_refused() -> None:
+    with pytest.raises(ValueError, match="cut short"):
+        JsonlLines(b'{"a": 1}\n{"b"')
