@@ -160,13 +160,6 @@ def _widen(con: duckdb.DuckDBPyConnection, view: str) -> None:
                 con.execute(f"ALTER TABLE {content} ALTER COLUMN {c} TYPE {wider}")
 
 
-def _holds_no_rows(con: duckdb.DuckDBPyConnection, table: str) -> bool:
-    """Whether the state file's `table` is absent or empty."""
-    if not table_columns(con, table):
-        return True
-    return not con.execute(f"SELECT count(*) FROM {ident(table)}").fetchall()[0][0]  # noqa: S608
-
-
 def _has_values(con: duckdb.DuckDBPyConnection, column: str) -> bool:
     return bool(con.execute(f"SELECT count({ident(column)}) FROM incoming").fetchall()[0][0])  # noqa: S608
 
@@ -191,12 +184,10 @@ class SourcesStore(Database):
         with self._transaction() as con:
             con.execute(f"DELETE FROM {MEMBERS} WHERE view = ? AND run_id = ?", [view, run_id])
         try:
-            with self.held():  # no other process writes the table until the end
-                with self._transaction() as con:
-                    first = _holds_no_rows(con, content_table(view))
+            with self.held():
                 for part in stored_parts(rows, text_column):
                     with self._transaction() as con:
-                        self._store_slice(con, view, run_id, content, part, first)
+                        self._store_slice(con, view, run_id, content, part)
                     crash_point("mid_sources")
                 with self._transaction() as con:
                     con.execute(source_view_sql(view))
@@ -207,17 +198,8 @@ class SourcesStore(Database):
 
     @staticmethod
     def _store_slice(
-        con: duckdb.DuckDBPyConnection,
-        view: str,
-        run_id: str,
-        content: str,
-        part: pl.DataFrame,
-        first: bool = False,
+        con: duckdb.DuckDBPyConnection, view: str, run_id: str, content: str, part: pl.DataFrame
     ) -> None:
-        """Store one slice: its membership, and its rows not stored yet. `first`: the table
-        held no row when this night began storing, so no slice can meet a stored row (ids are
-        unique within a night) and the rows go in without a join against what is stored (at a
-        million rows that join cost ~0.8 s of CPU)."""
         con.register("incoming", part)
         key = row_key_sql(part.columns)
         con.execute(
@@ -229,11 +211,6 @@ class SourcesStore(Database):
             f"INSERT INTO {MEMBERS} SELECT ?, ?, source_id, {key} FROM incoming",
             [view, run_id],
         )
-        if first:
-            con.execute(
-                f"INSERT INTO {content} BY NAME SELECT {key} AS lowtide_row_key, * FROM incoming"
-            )
-            return
         # ids are unique, so slices never overlap
         con.execute(
             f"INSERT INTO {content} BY NAME SELECT n.* FROM "

@@ -200,30 +200,3 @@ def test_a_save_failing_on_a_later_slice_takes_the_runs_membership_back(
     store.save_sources("x", "r2", rows)
     assert scalar(store, "SELECT count(*) FROM src_x WHERE run_id = 'r2'") == 4
     assert scalar(store, 'SELECT count(*) FROM "src_x-rows"') == 4
-
-
-def test_a_first_night_saved_again_after_a_failed_slice_stores_each_row_once(
-    tmp_path: Path, monkeypatch
-) -> None:
-    """The first night into an empty table stores its slices without looking for stored rows
-    (its ids are unique); a night resumed after some slices went in does look, so the rows
-    stored the first time are not stored twice."""
-    from lowtide.store import sources
-
-    monkeypatch.setattr(sources, "INSERT_SLICE_ROWS", 2)
-    rows = pl.DataFrame({"source_id": ["a", "b", "c", "d"], "body": ["1", "2", "3", "4"]})
-    store = Store(tmp_path / "state.duckdb")
-    broken = rows.with_columns(source_id=pl.Series(["a", "b", None, "d"]))  # fails slice 2
-    with pytest.raises(duckdb.ConstraintException):
-        store.save_sources("x", "r1", broken)
-    assert scalar(store, 'SELECT count(*) FROM "src_x-rows"') == 2  # slice 1 committed
-
-    store.save_sources("x", "r1", rows)
-    assert scalar(store, 'SELECT count(*) FROM "src_x-rows"') == 4
-    assert _rows_of(store, "r1") == [("a", "1"), ("b", "2"), ("c", "3"), ("d", "4")]
-
-
-def _rows_of(store: Store, run_id: str) -> list[tuple]:
-    return query(
-        store, "SELECT source_id, body FROM src_x WHERE run_id = ? ORDER BY source_id", [run_id]
-    ).rows()
