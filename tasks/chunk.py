@@ -20,11 +20,11 @@ from lowtide.digests import md5_hex
 from lowtide.jobspec import JobSpec
 from lowtide.orchestration import task
 from lowtide.runlog import stage_log
-from lowtide.slices import FileWriter, by_slices, file_slices
+from lowtide.slices import by_slices, file_slices
 from lowtide.splitting import split_spans
 from lowtide.store.chunk_cuts import CUTS_SCHEMA
 from tasks.carry import unchanged_rows
-from tasks.dedupe import CUSTOM_ID_VERSION
+from tasks.dedupe import CUSTOM_ID_VERSION, Keyer
 
 
 class CutMemo(Protocol):
@@ -262,9 +262,6 @@ def eval_units(job: JobSpec, evals: pl.DataFrame, memo: CutMemo | None = None) -
     )
 
 
-EVAL_UNITS = "eval_units.parquet"
-"""The eval set's units, in the run's work dir beside the input rows' `units.parquet`."""
-
 _FILE_SLICE_ROWS = 50_000
 """Input rows chunked at a time: their texts and units are held for one slice, never for the
 whole input."""
@@ -272,9 +269,10 @@ whole input."""
 
 @task(name="chunk", task_run_name="chunk-{run_id}")
 def chunk_task(ctx: RunContext, run_id: str, loaded: dict) -> dict:
-    """Rows and eval rows → units, written to the run's work dir a slice of rows at a time;
-    rows unchanged since the run the job's view shows, all answered there, are left out and
-    named for dedupe to carry."""
+    """Rows and eval rows → units, a slice of rows at a time, each slice keyed for dedupe as
+    it is made (`Keyer`: the keyed and messages files in the run's work dir); rows unchanged
+    since the run the job's view shows, all answered there, are left out and named for
+    dedupe to carry."""
     started = time.perf_counter()
     job = ctx.job
     c = job.chunk
@@ -301,27 +299,30 @@ def chunk_task(ctx: RunContext, run_id: str, loaded: dict) -> dict:
             memo=cuts,
         )
 
-    units = FileWriter(work_dir / "units.parquet")
-    n_rows = 0
+    # each slice's units are keyed at once, for dedupe: never written to a file of their own
+    keyer = Keyer(ctx, run_id, work_dir)
+    n_rows = n_units = 0
     for rows in file_slices(loaded["sources"], _FILE_SLICE_ROWS):
         if carried is not None:
             rows = rows.join(carried.source_ids, on="source_id", how="anti")
         n_rows += rows.height
-        units.write(units_of(rows))
-    units.close()
+        units = units_of(rows)
+        n_units += units.height
+        keyer.add(units)
+        del units
     evals = pl.read_parquet(loaded["eval"]) if loaded.get("eval") else None
     if evals is not None:
-        eval_units(job, evals, memo=cuts).write_parquet(work_dir / EVAL_UNITS)
-        out["eval_units"] = str(work_dir / EVAL_UNITS)
+        keyer.add(eval_units(job, evals, memo=cuts))
+    out.update(keyer.close())
     cuts.remember()
     stage_log(
         "chunk",
         "%d rows → %d units (budget %d tokens); %d unchanged rows keep run %s's units; in %.1f s",
         n_rows,
-        units.rows,
+        n_units,
         c.max_tokens,
         out["rows_carried"],
         out["carried_from"],
         time.perf_counter() - started,
     )
-    return {**out, "units": str(units.path), "n_units": units.rows}
+    return {**out, "n_units": n_units}

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import string
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import polars as pl
@@ -199,14 +198,6 @@ _UNIT_COLUMNS = ("unit_id", "source_id", "kind", "chunk_index", "n_chunks", "uni
 _MESSAGE_COLUMNS = ("custom_id", "request_key", "user", "unit_tokens")
 
 
-def unit_slices(chunked: dict) -> Iterator[pl.DataFrame]:
-    """The run's units as chunk wrote them, a slice at a time: the input rows', then the eval
-    set's."""
-    yield from file_slices(chunked["units"], _SLICE_ROWS)
-    if chunked.get("eval_units"):
-        yield pl.read_parquet(chunked["eval_units"])
-
-
 class WrittenIds:
     """The custom_ids whose message is written already, for a night's slices in turn. Looked
     up by a 64-bit hash of each id first and by the id itself only where a hash was seen: at a
@@ -232,33 +223,42 @@ class WrittenIds:
         return firsts
 
 
-def keyed_slices(ctx: RunContext, run_id: str, chunked: dict, work_dir: Path) -> tuple[Path, Path]:
-    """Key every unit a slice at a time. Writes the units' narrow columns with their keys (in
-    order, numbered by `_row`) and the message of each key's first unit, once: a key already
-    written by an earlier slice is not written again (so on a first night the file is exactly
-    what is sent, and `write_to_send` renames it instead of copying ~1 GB at a million rows).
-    Only one slice's texts and messages are held at a time, and the ids written so far."""
-    job, store = ctx.job, ctx.store
-    route_step = store.require_run(run_id)["route_step"] is not None
-    keys = FileWriter(work_dir / "keyed.parquet")
-    messages = FileWriter(work_dir / "messages.parquet")
-    written = WrittenIds()
-    for units in unit_slices(chunked):
-        keyed = key_units(job, units, run_id)
-        if route_step:
-            keyed = carry_route_answers(store, job, keyed)
-        narrow = _narrow(keyed, keys.rows)
-        firsts = written.first_time(first_requests(narrow))
-        local = firsts["_row"] - keys.rows
-        messages.write(
+class Keyer:
+    """Keys units a slice at a time, as chunk makes them (no file of units between the two
+    stages: at a million rows writing and reading one back cost ~3.5 s of CPU). Writes the
+    units' narrow columns with their keys (in order, numbered by `_row`) and the message of
+    each key's first unit, once: a key already written by an earlier slice is not written
+    again (so on a first night the file is exactly what is sent, and `write_to_send` renames
+    it instead of copying ~1 GB at a million rows). Only one slice's texts and messages are
+    held at a time, and the ids written so far."""
+
+    def __init__(self, ctx: RunContext, run_id: str, work_dir: Path) -> None:
+        self.job, self.store, self.run_id = ctx.job, ctx.store, run_id
+        self.route_step = self.store.require_run(run_id)["route_step"] is not None
+        self.keys = FileWriter(work_dir / "keyed.parquet")
+        self.messages = FileWriter(work_dir / "messages.parquet")
+        self.written = WrittenIds()
+
+    def add(self, units: pl.DataFrame) -> None:
+        """Key the next slice of units (input rows' first, then the eval set's)."""
+        keyed = key_units(self.job, units, self.run_id)
+        if self.route_step:
+            keyed = carry_route_answers(self.store, self.job, keyed)
+        narrow = _narrow(keyed, self.keys.rows)
+        firsts = self.written.first_time(first_requests(narrow))
+        local = firsts["_row"] - self.keys.rows
+        self.messages.write(
             keyed.select(*_MESSAGE_COLUMNS)
             .gather(local)
             .with_columns(firsts["_row"], firsts["urgent"])
         )
-        keys.write(pl.concat([keyed.select(*_UNIT_COLUMNS), narrow], how="horizontal"))
-    keys.close()
-    messages.close()
-    return keys.path, messages.path
+        self.keys.write(pl.concat([keyed.select(*_UNIT_COLUMNS), narrow], how="horizontal"))
+
+    def close(self) -> dict[str, str]:
+        """The files written: `keyed` and `messages`, as `dedupe_task` reads them."""
+        self.keys.close()
+        self.messages.close()
+        return {"keyed": str(self.keys.path), "messages": str(self.messages.path)}
 
 
 def write_to_send(messages: Path, wanted: pl.DataFrame, path: Path) -> int:
@@ -290,12 +290,13 @@ def _written_as_wanted(messages: Path, wanted: pl.DataFrame) -> bool:
 
 @task(name="dedupe", task_run_name="dedupe-{run_id}")
 def dedupe_task(ctx: RunContext, run_id: str, chunked: dict) -> dict:
-    """Units → unique requests; saves the run's units and writes what is left to send."""
+    """Units (keyed by chunk as it made them) → unique requests; saves the run's units and
+    writes what is left to send."""
     started = time.perf_counter()
     store = ctx.store
     work_dir = ctx.work_dir(run_id)
-    keys_path, messages_path = keyed_slices(ctx, run_id, chunked, work_dir)
-    keyed = pl.read_parquet(keys_path)  # narrow: ids, keys and flags, no text
+    messages_path = Path(chunked["messages"])  # chunk keyed its units (`Keyer`)
+    keyed = pl.read_parquet(chunked["keyed"])  # narrow: ids, keys and flags, no text
     uniq = first_requests(keyed)
     # flags in uniq's row order
     known = uniq.select("custom_id").join(

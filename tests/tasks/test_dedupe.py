@@ -152,7 +152,7 @@ def test_dedupe_is_order_independent_and_idempotent(texts: list[str], copies, se
 
 
 def _messages_file(path: Path) -> Path:
-    """Two slices' first units, as `keyed_slices` writes them: key `a` first in both slices,
+    """Two slices' first units, as `Keyer` writes them: key `a` first in both slices,
     urgent only in the second."""
     out = FileWriter(path)
     for rows, ids, urgent in (
