@@ -1,12 +1,14 @@
 """Each unsent batch's request lines, built in one pass over the store before sending.
 
 Building one batch's lines in the store reads every message of its requests' files; at a
-million requests that cost ~1.7 s of CPU per 50,000-line batch, ~35 s for one night's twenty. So the
-run's unsent batches get their lines from one pass (`LinesStore.each_batch_lines`), written
-as the JSONL payload itself, a file per batch in the run's work directory, and each send uploads
-its file's bytes as they are. (Arrow IPC files before: each send then sorted its lines by
-custom_id, took them in that order and joined them into a payload, three copies of ~60 MB a
-batch, 3.5 s of a 1M-row night's CPU under the profiler.)
+million requests that cost ~1.7 s of CPU per 50,000-line batch, ~35 s for one night's twenty.
+So the run's unsent batches get their lines from one pass (`LinesStore.each_batch_lines`, each
+line built with its newline), written as the JSONL payload itself, a file per batch in the
+run's work directory, and each send uploads its file's bytes as they are. A file's name says
+how many lines it holds: counting them again at the send read ~1 GB at a million requests.
+(Arrow IPC files before: each send then sorted its lines by custom_id, took them in that order
+and joined them into a payload, three copies of ~60 MB a batch, 3.5 s of a 1M-row night's CPU
+under the profiler.)
 
 The files are a cache of what the store would build, never a source of truth: a file missing,
 unfinished (written under a temporary name, renamed when complete) or of another line count
@@ -18,13 +20,14 @@ the same lines either way, and a provider reads a batch's lines as a set.
 from __future__ import annotations
 
 import contextlib
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from lowtide.request_lines import JsonlLines, ended_lines
+from lowtide.request_lines import JsonlLines, joined
 
 if TYPE_CHECKING:
     from lowtide.store import Store
@@ -32,8 +35,14 @@ if TYPE_CHECKING:
 _FOLDER = "lines"
 
 
-def _path(work_dir: Path, batch_id: str) -> Path:
-    return work_dir / _FOLDER / f"{batch_id}.jsonl"
+def _path(work_dir: Path, batch_id: str, n_lines: int) -> Path:
+    return work_dir / _FOLDER / f"{batch_id}.{n_lines}.jsonl"
+
+
+def _files(work_dir: Path, batch_id: str) -> list[Path]:
+    """Whatever files `batch_id` has in the folder, finished or not."""
+    ours = re.compile(rf"{re.escape(batch_id)}\.(\d+\.jsonl|partial)")
+    return [p for p in (work_dir / _FOLDER).iterdir() if ours.fullmatch(p.name)]
 
 
 def prepare(store: Store, work_dir: Path, batch_ids: list[str]) -> None:
@@ -46,40 +55,44 @@ def prepare(store: Store, work_dir: Path, batch_ids: list[str]) -> None:
         discard(work_dir, batch_id)
     (work_dir / _FOLDER).mkdir(parents=True, exist_ok=True)
     files: dict[str, BinaryIO] = {}
+    counts: dict[str, int] = {}
 
     def sink(part: pa.RecordBatch) -> None:
-        ids, lines = part.column("batch_id"), part.column("line")
+        ids, lines = part.column("batch_id"), part.column("line")  # each line ends in "\n"
         names = pc.unique(ids).to_pylist()  # a few batches per slice, not rows
         for batch_id in names:
             rows = lines if len(names) == 1 else pc.filter(lines, pc.equal(ids, batch_id))
             if batch_id not in files:
-                files[batch_id] = _unfinished(_path(work_dir, batch_id)).open("wb")
-            files[batch_id].write(ended_lines(rows))
+                files[batch_id] = _unfinished(work_dir, batch_id).open("wb")
+                counts[batch_id] = 0
+            files[batch_id].write(joined(rows))
+            counts[batch_id] += len(rows)
 
     try:
-        store.each_batch_lines(batch_ids, sink)
+        store.each_batch_lines(batch_ids, sink, ended=True)
     finally:
         for file in files.values():
             file.close()
-    for batch_id in files:
-        _unfinished(_path(work_dir, batch_id)).rename(_path(work_dir, batch_id))
+    for batch_id, n_lines in counts.items():
+        _unfinished(work_dir, batch_id).rename(_path(work_dir, batch_id, n_lines))
 
 
-def _unfinished(path: Path) -> Path:
-    return path.with_suffix(".partial")
+def _unfinished(work_dir: Path, batch_id: str) -> Path:
+    return work_dir / _FOLDER / f"{batch_id}.partial"
 
 
 def read(work_dir: Path, batch_id: str, n_requests: int) -> JsonlLines | None:
     """The batch's prepared lines, or None when there is no complete file of exactly
     `n_requests` lines (the caller builds them from the store then)."""
     try:
-        lines = JsonlLines(_path(work_dir, batch_id).read_bytes())
+        return JsonlLines(_path(work_dir, batch_id, n_requests).read_bytes(), n_requests)
     except (OSError, ValueError):
         return None
-    return lines if len(lines) == n_requests else None
 
 
 def discard(work_dir: Path, batch_id: str) -> None:
     """The batch was sent: its file only takes space now."""
-    with contextlib.suppress(FileNotFoundError):
-        _path(work_dir, batch_id).unlink()
+    if (work_dir / _FOLDER).is_dir():
+        for path in _files(work_dir, batch_id):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()

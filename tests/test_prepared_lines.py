@@ -48,8 +48,8 @@ def test_prepared_lines_are_the_lines_the_store_builds(planned) -> None:
         assert len(lines) == n
         assert _same_lines(lines, store.batch_lines(batch_id))
     assert sorted(p.name for p in (work / "lines").iterdir()) == sorted(
-        f"{b}.jsonl" for b in batches["batch_id"]
-    )  # nothing unfinished left beside them
+        f"{b}.{n}.jsonl" for b, n in _counts(batches).items()
+    )  # each named with its count of lines; nothing unfinished left beside them
 
 
 def test_a_missing_short_or_unfinished_file_is_not_used(planned) -> None:
@@ -60,13 +60,13 @@ def test_a_missing_short_or_unfinished_file_is_not_used(planned) -> None:
     assert prepared_lines.read(work, first, 4) is None  # the batch row says another count
     prepared_lines.discard(work, second)
     assert prepared_lines.read(work, second, 3) is None
-    done = work / "lines" / f"{third}.jsonl"
-    done.rename(done.with_suffix(".partial"))  # as a crash mid-write leaves it
+    done = work / "lines" / f"{third}.3.jsonl"
+    done.rename(work / "lines" / f"{third}.partial")  # as a crash mid-write leaves it
     assert prepared_lines.read(work, third, 3) is None
-    cut = work / "lines" / f"{ids[3]}.jsonl"
+    cut = work / "lines" / f"{ids[3]}.3.jsonl"
     cut.write_bytes(cut.read_bytes()[:-5])  # three lines begun, the last one cut short
     assert prepared_lines.read(work, ids[3], 3) is None
-    (work / "lines" / f"{ids[4]}.jsonl").write_bytes(b"")  # as a full disk leaves it
+    (work / "lines" / f"{ids[4]}.3.jsonl").write_bytes(b"")  # as a full disk leaves it
     assert prepared_lines.read(work, ids[4], 3) is None
 
 
@@ -74,10 +74,12 @@ def test_an_earlier_attempts_file_is_replaced(planned) -> None:
     store, batches, work = planned
     ids = batches["batch_id"].to_list()
     (work / "lines").mkdir(parents=True)
-    (work / "lines" / f"{ids[0]}.jsonl").write_bytes(b"{}\n{}\n{}\n")
+    (work / "lines" / f"{ids[0]}.3.jsonl").write_bytes(b"{}\n{}\n{}\n")
+    (work / "lines" / f"{ids[1]}.partial").write_bytes(b"{}\n")
     prepared_lines.prepare(store, work, ids)
     lines = prepared_lines.read(work, ids[0], 3)
     assert lines is not None and _same_lines(lines, store.batch_lines(ids[0]))
+    assert not (work / "lines" / f"{ids[1]}.partial").exists()
 
 
 def test_a_single_batch_is_left_to_the_store(planned) -> None:
