@@ -41,22 +41,33 @@ class ResultsStore(Database):
                 # wins)
                 incoming = results.unique(subset="custom_id", keep="last", maintain_order=True)
                 con.register("incoming", incoming)
-                # No primary key (migration 16): the stored rows that may be replaced are
-                # deleted, then every incoming row no stored row keeps is inserted. Without the
-                # index, 1M results in 50,000-row upserts took 8.5 s of CPU instead of 13.8.
-                con.execute(
-                    """
-                    DELETE FROM results WHERE custom_id IN (
-                        SELECT r.custom_id FROM incoming i JOIN results r USING (custom_id)
-                        WHERE NOT list_contains($answered, r.outcome)
-                           OR list_contains($answered, i.outcome) AND r.batch_id = i.batch_id)
-                    """,
-                    {"answered": list(ANSWERED)},
-                )
-                con.execute(
-                    "INSERT INTO results BY NAME SELECT i.*, now() AS received_at FROM incoming i "
-                    "ANTI JOIN results r USING (custom_id)"
-                )
+                # Most nights no key has a stored result yet: one look says so, and the rows
+                # go in as they are (1M results: 3.8 -> 3.0 s of CPU, where a delete and an
+                # anti join each joined every stored key)
+                if con.execute(
+                    "SELECT count(*) FROM incoming SEMI JOIN results USING (custom_id)"
+                ).fetchall()[0][0]:
+                    # No primary key (migration 16): the stored rows that may be replaced are
+                    # deleted, then every incoming row no stored row keeps is inserted. Without
+                    # the index, 1M results in 50,000-row upserts took 8.5 s of CPU, not 13.8.
+                    con.execute(
+                        """
+                        DELETE FROM results WHERE custom_id IN (
+                            SELECT r.custom_id FROM incoming i JOIN results r USING (custom_id)
+                            WHERE NOT list_contains($answered, r.outcome)
+                               OR list_contains($answered, i.outcome) AND r.batch_id = i.batch_id)
+                        """,
+                        {"answered": list(ANSWERED)},
+                    )
+                    con.execute(
+                        "INSERT INTO results BY NAME SELECT i.*, now() AS received_at "
+                        "FROM incoming i ANTI JOIN results r USING (custom_id)"
+                    )
+                else:
+                    con.execute(
+                        "INSERT INTO results BY NAME SELECT i.*, now() AS received_at "
+                        "FROM incoming i"
+                    )
                 con.unregister("incoming")
 
     def attempt_counts(self, custom_ids: pl.Series) -> pl.DataFrame:
