@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import re
+from itertools import pairwise
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -57,16 +59,22 @@ def prepare(store: Store, work_dir: Path, batch_ids: list[str]) -> None:
     files: dict[str, BinaryIO] = {}
     counts: dict[str, int] = {}
 
+    def write(batch_id: str, rows: pa.Array) -> None:
+        if batch_id not in files:
+            files[batch_id] = _unfinished(work_dir, batch_id).open("wb")
+            counts[batch_id] = 0
+        files[batch_id].write(joined(rows))
+        counts[batch_id] += len(rows)
+
     def sink(part: pa.RecordBatch) -> None:
         ids, lines = part.column("batch_id"), part.column("line")  # each line ends in "\n"
-        names = pc.unique(ids).to_pylist()  # a few batches per slice, not rows
-        for batch_id in names:
-            rows = lines if len(names) == 1 else pc.filter(lines, pc.equal(ids, batch_id))
-            if batch_id not in files:
-                files[batch_id] = _unfinished(work_dir, batch_id).open("wb")
-                counts[batch_id] = 0
-            files[batch_id].write(joined(rows))
-            counts[batch_id] += len(rows)
+        runs = _runs(ids)
+        if runs is not None:  # lines come in runs of one batch: each run written as it lies
+            for batch_id, start, length in runs:
+                write(batch_id, lines.slice(start, length))
+            return
+        for batch_id in pc.unique(ids).to_pylist():  # a few batches per slice, not rows
+            write(batch_id, pc.filter(lines, pc.equal(ids, batch_id)))
 
     try:
         store.each_batch_lines(batch_ids, sink, ended=True)
@@ -75,6 +83,27 @@ def prepare(store: Store, work_dir: Path, batch_ids: list[str]) -> None:
             file.close()
     for batch_id, n_lines in counts.items():
         _unfinished(work_dir, batch_id).rename(_path(work_dir, batch_id, n_lines))
+
+
+_MOST_RUNS = 64
+"""Past this many runs of one batch in a slice of lines, each batch's lines are gathered by a
+filter instead (a copy of them, but no Python step per run)."""
+
+
+def _runs(ids: pa.Array) -> list[tuple[str, int, int]] | None:
+    """(batch_id, start, length) of each run of equal `ids`, in order; None when there are
+    more than `_MOST_RUNS`. A night's lines mostly come in their batches' order, so a slice
+    holds one or two runs, written without copying a line (filtering them out copied every
+    line of a slice that spans two batches)."""
+    if len(ids) == 0:
+        return []
+    ends = np.flatnonzero(
+        pc.not_equal(ids.slice(1), ids.slice(0, len(ids) - 1)).to_numpy(zero_copy_only=False)
+    )
+    if len(ends) >= _MOST_RUNS:
+        return None
+    bounds = [0, *(int(e) + 1 for e in ends), len(ids)]
+    return [(ids[a].as_py(), a, b - a) for a, b in pairwise(bounds)]
 
 
 def _unfinished(work_dir: Path, batch_id: str) -> Path:

@@ -5,6 +5,7 @@ stale or short is never sent in their place."""
 from __future__ import annotations
 
 import orjson
+import pyarrow as pa
 import pytest
 
 from lowtide import prepared_lines
@@ -50,6 +51,26 @@ def test_prepared_lines_are_the_lines_the_store_builds(planned) -> None:
     assert sorted(p.name for p in (work / "lines").iterdir()) == sorted(
         f"{b}.{n}.jsonl" for b, n in _counts(batches).items()
     )  # each named with its count of lines; nothing unfinished left beside them
+
+
+@pytest.mark.parametrize("most_runs", [0, 64])
+def test_lines_in_runs_or_interleaved_reach_their_batch(planned, monkeypatch, most_runs) -> None:
+    """Whether a slice's lines are written run by run or gathered per batch (past
+    `_MOST_RUNS`), each batch's file holds exactly its lines."""
+    store, batches, work = planned
+    monkeypatch.setattr(prepared_lines, "_MOST_RUNS", most_runs)
+    prepared_lines.prepare(store, work, batches["batch_id"].to_list())
+    for batch_id, n in _counts(batches).items():
+        lines = prepared_lines.read(work, batch_id, n)
+        assert lines is not None and _same_lines(lines, store.batch_lines(batch_id))
+
+
+def test_runs_of_one_batch_are_found_in_order(monkeypatch) -> None:
+    ids = pa.array(["a", "a", "b", "b", "b", "a"])
+    assert prepared_lines._runs(ids) == [("a", 0, 2), ("b", 2, 3), ("a", 5, 1)]
+    assert prepared_lines._runs(pa.array([], pa.string())) == []
+    monkeypatch.setattr(prepared_lines, "_MOST_RUNS", 2)
+    assert prepared_lines._runs(ids) is None  # too many runs: filtered per batch instead
 
 
 def test_a_missing_short_or_unfinished_file_is_not_used(planned) -> None:
