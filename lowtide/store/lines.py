@@ -23,12 +23,20 @@ from lowtide.store import message_files
 from lowtide.store._db import Database, frame
 from lowtide.vocabulary import ANSWERED, IN_FLIGHT_RUN, sql_list
 
-LINE_SQL = (
-    "coalesce(q.line, t.head || '\"' || q.custom_id || '\"' || t.mid || "
-    "to_json(coalesce(q.user_message, m.user)) || t.tail)"
-)
-"""A request's line: stored whole (re-asks), or rebuilt from its template and message (stored,
-or in its messages file: joined as `m` by `_WITH_MESSAGE`)."""
+
+def line_sql(templates: str = "t", *, ended: bool = False) -> str:
+    """A request's line: stored whole (re-asks), or rebuilt from its template (the columns of
+    `templates`) and message (stored, or in its messages file: joined as `m` by
+    `_WITH_MESSAGE`); `ended`: with its newline."""
+    t = templates
+    line = (
+        f"coalesce(q.line, {t}.head || '\"' || q.custom_id || '\"' || {t}.mid || "
+        f"to_json(coalesce(q.user_message, m.user)) || {t}.tail)"
+    )
+    return f"{line} || chr(10)" if ended else line
+
+
+LINE_SQL = line_sql()
 
 _WITH_MESSAGE = (
     " LEFT JOIN {messages} m ON m.message_file = q.message_file AND m.custom_id = q.custom_id"
@@ -112,20 +120,18 @@ class LinesStore(Database):
         """The lines of every batch in `batch_ids`, handed to `sink` as Arrow record batches of
         (batch_id, custom_id, line) in no particular order; `ended`: each line with its newline,
         added as the line is built (a JSONL writer then copies no line again). One pass for
-        them all, where
-        `batch_lines` joins once per batch (each join reads every message: ~1.7 s of CPU per
-        50,000-line batch at a million requests). The requests whose messages are in a file
+        them all, where `batch_lines` joins once per batch (each join reads every message:
+        ~1.7 s of CPU per 50,000-line batch at a million requests). The requests whose messages are in a file
         are joined with it a slice of the file at a time: joined whole, DuckDB built its hash
         table on the ~1 GB of messages and spilled it to disk (12 s of CPU, not 5)."""
         members = "batch_requests br JOIN wanted USING (batch_id) JOIN requests q USING (custom_id)"
-        line_sql = f"{LINE_SQL} || chr(10)" if ended else LINE_SQL
         with self._connect() as con:
             con.register(
                 "wanted", pl.DataFrame({"batch_id": batch_ids}, schema={"batch_id": pl.String})
             )
             # lines that need no file: sent whole (re-asks), or their message stored in the table
             reader = con.sql(
-                f"SELECT br.batch_id, q.custom_id, {line_sql} AS line FROM {members} "
+                f"SELECT br.batch_id, q.custom_id, {line_sql(ended=ended)} AS line FROM {members} "
                 f"LEFT JOIN request_templates t USING (template_id){_NO_FILE_NEEDED} "
                 "WHERE q.message_file IS NULL"
             ).to_arrow_reader(_LINES_PER_PART)
@@ -139,7 +145,7 @@ class LinesStore(Database):
             con.register("from_files", from_files)
             for name in pc.unique(from_files.column("message_file")).to_pylist():
                 wanted = pc.sum(pc.equal(from_files.column("message_file"), name)).as_py()
-                found = self._lines_from_file(con, name, sink, line_sql)
+                found = self._lines_from_file(con, name, sink, ended)
                 self._require_lines(wanted - found)
 
     def _lines_from_file(
@@ -147,7 +153,7 @@ class LinesStore(Database):
         con: duckdb.DuckDBPyConnection,
         name: str,
         sink: Callable[[pa.RecordBatch], None],
-        line_sql: str,
+        ended: bool,
     ) -> int:
         """The lines of `from_files`' requests whose messages are in the file `name`, a slice of
         it at a time; returns how many (fewer than asked for when the file lacks some). Each
@@ -165,10 +171,15 @@ class LinesStore(Database):
             [str(path), name],
         )
         at = placed["_at"]
+        # the few templates, joined to each slice's requests in polars (repeated as views of
+        # one copy) instead of by DuckDB for every line
+        templates = frame(con, "SELECT template_id, head, mid, tail FROM request_templates")
         found, offset = 0, 0
         for part in file_slices(path, _LINES_PER_PART, ["custom_id", "user"]):
             lo, hi = (int(at.search_sorted(v)) for v in (offset, offset + part.height))
-            q = placed.slice(lo, hi - lo)
+            q = placed.slice(lo, hi - lo).join(
+                templates, on="template_id", how="left", maintain_order="left"
+            )
             # each request's message is at its row of the slice: taken by position and paired
             # with its request row by row (a night's lines at 1M requests: 15.0 -> 12.7 s of
             # CPU against a hash join of the slice on custom_id); polars' own string layout
@@ -180,10 +191,10 @@ class LinesStore(Database):
                 .to_arrow(compat_level=pl.CompatLevel.newest()),
             )
             offset += part.height
-            con.register("q", q)
+            con.register("q", q.to_arrow(compat_level=pl.CompatLevel.newest()))
             reader = con.sql(
-                f"SELECT q.batch_id, q.custom_id, {line_sql} AS line FROM m POSITIONAL JOIN q "
-                "LEFT JOIN request_templates t USING (template_id)"
+                f"SELECT q.batch_id, q.custom_id, {line_sql('q', ended=ended)} AS line "
+                "FROM m POSITIONAL JOIN q"
             ).to_arrow_reader(_LINES_PER_PART)
             for lines in reader:
                 self._require_lines(lines.column("line").null_count)
