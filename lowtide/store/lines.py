@@ -121,9 +121,10 @@ class LinesStore(Database):
         (batch_id, custom_id, line) in no particular order; `ended`: each line with its newline,
         added as the line is built (a JSONL writer then copies no line again). One pass for
         them all, where `batch_lines` joins once per batch (each join reads every message:
-        ~1.7 s of CPU per 50,000-line batch at a million requests). The requests whose messages are in a file
-        are joined with it a slice of the file at a time: joined whole, DuckDB built its hash
-        table on the ~1 GB of messages and spilled it to disk (12 s of CPU, not 5)."""
+        ~1.7 s of CPU per 50,000-line batch at a million requests). The requests whose
+        messages are in a file meet it a slice of the file at a time: joined whole, DuckDB
+        built its hash table on the ~1 GB of messages and spilled it to disk (12 s of CPU, not
+        5)."""
         members = "batch_requests br JOIN wanted USING (batch_id) JOIN requests q USING (custom_id)"
         with self._connect() as con:
             con.register(
