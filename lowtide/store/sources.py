@@ -206,10 +206,12 @@ class SourcesStore(Database):
     ) -> None:
         # each row's key hashed once, for the membership and the content rows both (hashing
         # a night's texts twice cost ~0.5 s of CPU at a million rows)
-        con.register("incoming", part)
+        # (handed over in polars' own string layout: registering the frame itself converted
+        # its texts to Arrow's classic strings, a copy of them, at each registration)
+        rows = part.to_arrow(compat_level=pl.CompatLevel.newest())
+        con.register("incoming", rows)
         keys = con.sql(f"SELECT {row_key_sql(part.columns)} FROM incoming").to_arrow_table()
-        keyed = part.select(pl.Series(KEY_COLUMN, keys.column(0), dtype=pl.UInt64), *part.columns)
-        con.register("incoming", keyed)
+        con.register("incoming", rows.add_column(0, KEY_COLUMN, keys.column(0)))
         con.execute(f"CREATE TABLE IF NOT EXISTS {content} AS SELECT * FROM incoming LIMIT 0")
         _widen(con, view)
         con.execute(
