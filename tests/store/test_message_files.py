@@ -171,10 +171,9 @@ def test_lines_of_many_batches_read_each_file_a_slice_at_a_time(
     assert together.height == 9
     ended: list[pl.DataFrame] = []
     store.each_batch_lines(batches, lambda part: ended.append(pl.from_arrow(part)), ended=True)
-    assert (
-        pl.concat(ended).sort("batch_id", "custom_id")["line"].to_list()
-        == [line + "\n" for line in together["line"]]
-    )  # each line with its newline, as a JSONL file holds it
+    assert pl.concat(ended).sort("batch_id", "custom_id")["line"].to_list() == [
+        line + "\n" for line in together["line"]
+    ]  # each line with its newline, as a JSONL file holds it
 
     # a file that lacks a request's message: refused, as one batch's lines are
     kept = next(f for f in store.messages_dir.iterdir() if f.name.startswith("r2."))
