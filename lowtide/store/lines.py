@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 
 from lowtide.errors import LowtideError
 from lowtide.request_lines import RequestLines
-from lowtide.slices import file_slices
+from lowtide.slices import as_arrow, file_slices
 from lowtide.store import message_files
 from lowtide.store._db import Database, frame
 from lowtide.vocabulary import ANSWERED, IN_FLIGHT_RUN, sql_list
@@ -176,23 +176,17 @@ class LinesStore(Database):
         # one copy) instead of by DuckDB for every line
         templates = frame(con, "SELECT template_id, head, mid, tail FROM request_templates")
         found, offset = 0, 0
-        for part in file_slices(path, _LINES_PER_PART, ["custom_id", "user"]):
+        for part in file_slices(path, _LINES_PER_PART, ["user"]):  # rows are placed by `_at`
             lo, hi = (int(at.search_sorted(v)) for v in (offset, offset + part.height))
             q = placed.slice(lo, hi - lo).join(
                 templates, on="template_id", how="left", maintain_order="left"
             )
             # each request's message is at its row of the slice: taken by position and paired
             # with its request row by row (a night's lines at 1M requests: 15.0 -> 12.7 s of
-            # CPU against a hash join of the slice on custom_id); polars' own string layout
-            # reaches DuckDB without a copy
-            con.register(
-                "m",
-                part.select("user")
-                .gather(q["_at"] - offset)
-                .to_arrow(compat_level=pl.CompatLevel.newest()),
-            )
+            # CPU against a hash join of the slice on custom_id)
+            con.register("m", as_arrow(part.gather(q["_at"] - offset)))
             offset += part.height
-            con.register("q", q.to_arrow(compat_level=pl.CompatLevel.newest()))
+            con.register("q", as_arrow(q))
             reader = con.sql(
                 f"SELECT q.batch_id, q.custom_id, {line_sql('q', ended=ended)} AS line "
                 "FROM m POSITIONAL JOIN q"

@@ -22,7 +22,7 @@ import polars as pl
 
 from lowtide.crashpoints import crash_point
 from lowtide.interrupts import kept_through_duckdb
-from lowtide.slices import file_slices
+from lowtide.slices import as_arrow, file_slices
 from lowtide.store._db import INSERT_SLICE_ROWS, Database
 from lowtide.store._sql import ident, literal
 
@@ -205,10 +205,9 @@ class SourcesStore(Database):
         con: duckdb.DuckDBPyConnection, view: str, run_id: str, content: str, part: pl.DataFrame
     ) -> None:
         # each row's key hashed once, for the membership and the content rows both (hashing
-        # a night's texts twice cost ~0.5 s of CPU at a million rows)
-        # (handed over in polars' own string layout: registering the frame itself converted
-        # its texts to Arrow's classic strings, a copy of them, at each registration)
-        rows = part.to_arrow(compat_level=pl.CompatLevel.newest())
+        # a night's texts twice cost ~0.5 s of CPU at a million rows); the slice converted to
+        # Arrow once (registering a polars frame copies its texts at each registration)
+        rows = as_arrow(part)
         con.register("incoming", rows)
         keys = con.sql(f"SELECT {row_key_sql(part.columns)} FROM incoming").to_arrow_table()
         con.register("incoming", rows.add_column(0, KEY_COLUMN, keys.column(0)))
