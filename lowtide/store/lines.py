@@ -18,25 +18,75 @@ import pyarrow.compute as pc
 
 from lowtide.errors import LowtideError
 from lowtide.request_lines import RequestLines
-from lowtide.slices import as_arrow, file_slices
+from lowtide.slices import file_slices
 from lowtide.store import message_files
 from lowtide.store._db import Database, frame
 from lowtide.vocabulary import ANSWERED, IN_FLIGHT_RUN, sql_list
 
 
-def line_sql(templates: str = "t", *, ended: bool = False) -> str:
-    """A request's line: stored whole (re-asks), or rebuilt from its template (the columns of
-    `templates`) and message (stored, or in its messages file: joined as `m` by
-    `_WITH_MESSAGE`); `ended`: with its newline."""
-    t = templates
+def line_sql(*, ended: bool = False) -> str:
+    """A request's line: stored whole (re-asks), or rebuilt from its template (`t`) and message
+    (stored, or in its messages file: joined as `m` by `_WITH_MESSAGE`); `ended`: with its
+    newline. `line_expr` builds the same lines in polars."""
     line = (
-        f"coalesce(q.line, {t}.head || '\"' || q.custom_id || '\"' || {t}.mid || "
-        f"to_json(coalesce(q.user_message, m.user)) || {t}.tail)"
+        "coalesce(q.line, t.head || '\"' || q.custom_id || '\"' || t.mid || "
+        "to_json(coalesce(q.user_message, m.user)) || t.tail)"
     )
     return f"{line} || chr(10)" if ended else line
 
 
 LINE_SQL = line_sql()
+
+_HEX_ESCAPE = "\\u00"
+"""How a JSON string holds a control character it has no short escape for: polars writes its
+hex digits in lower case, DuckDB's `to_json` in upper case (the only difference between the two
+found over a million real texts)."""
+
+
+def json_strings(con: duckdb.DuckDBPyConnection, texts: pl.Series) -> pl.Series:
+    """Each text as a JSON string, quotes included (null stays null), byte for byte as
+    `line_sql`'s `to_json` writes it, so a line is the same whichever builds it. polars
+    escapes in compiled code: a night's million lines took half the CPU of DuckDB's building
+    them. The rare strings holding a hex escape (or the text `\\u00` itself) are escaped by
+    `to_json` itself."""
+    escaped = (
+        texts.rename("u")
+        .to_frame()
+        .select(
+            pl.when(pl.col("u").is_not_null()).then(
+                # {"u":"<escaped>"}: the slice keeps the quoted JSON string
+                pl.struct("u").struct.json_encode().str.slice(5).str.head(-1)
+            )
+        )
+        .to_series()
+    )
+    # a literal search (a tenth of the CPU of testing the texts for control characters)
+    odd = escaped.str.contains(_HEX_ESCAPE, literal=True).fill_null(False).arg_true()
+    if odd.len():
+        con.register("odd", texts.gather(odd).rename("u").to_frame())
+        try:
+            by_sql = con.sql("SELECT to_json(u) AS j FROM odd").pl()["j"]
+        finally:
+            con.unregister("odd")
+        escaped = escaped.scatter(odd, by_sql)
+    return escaped.rename(texts.name)
+
+
+def line_expr(escaped_user: str, *, ended: bool = False) -> pl.Expr:
+    """`line_sql` in polars, over a frame of the requests' columns, their templates' (`head`,
+    `mid`, `tail`) and the column `escaped_user` (`json_strings` of their messages)."""
+    built = pl.concat_str(
+        pl.col("head"),
+        pl.lit('"'),
+        pl.col("custom_id"),
+        pl.lit('"'),
+        pl.col("mid"),
+        pl.col(escaped_user),
+        pl.col("tail"),
+    )
+    line = pl.coalesce(pl.col("line"), built)
+    return line + "\n" if ended else line
+
 
 _WITH_MESSAGE = (
     " LEFT JOIN {messages} m ON m.message_file = q.message_file AND m.custom_id = q.custom_id"
@@ -181,22 +231,19 @@ class LinesStore(Database):
             q = placed.slice(lo, hi - lo).join(
                 templates, on="template_id", how="left", maintain_order="left"
             )
-            # each request's message is at its row of the slice: taken by position and paired
-            # with its request row by row (a night's lines at 1M requests: 15.0 -> 12.7 s of
-            # CPU against a hash join of the slice on custom_id)
-            con.register("m", as_arrow(part.gather(q["_at"] - offset)))
+            # each request's message is at its row of the slice, taken by position (a night's
+            # lines at 1M requests: 15.0 -> 12.7 s of CPU against a hash join on custom_id)
+            message = part["user"].gather(q["_at"] - offset)
+            users = pl.select(pl.coalesce(q["user_message"], message)).to_series()
             offset += part.height
-            con.register("q", as_arrow(q))
-            reader = con.sql(
-                f"SELECT q.batch_id, q.custom_id, {line_sql('q', ended=ended)} AS line "
-                "FROM m POSITIONAL JOIN q"
-            ).to_arrow_reader(_LINES_PER_PART)
-            for lines in reader:
-                self._require_lines(lines.column("line").null_count)
-                found += lines.num_rows
-                sink(lines)
-            con.unregister("m")
-            con.unregister("q")
+            lines = q.with_columns(json_strings(con, users).alias("_escaped")).select(
+                "batch_id", "custom_id", line_expr("_escaped", ended=ended).alias("line")
+            )
+            self._require_lines(lines["line"].null_count())
+            found += lines.height
+            # Arrow's classic strings: a JSONL writer takes their bytes as they lie (`joined`)
+            for batch in lines.to_arrow(compat_level=pl.CompatLevel.oldest()).to_batches():
+                sink(batch)
         return found
 
     def request_lines(self, custom_ids: list[str]) -> pl.DataFrame:
