@@ -99,6 +99,8 @@ def timed(cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = 
         "rc": proc.returncode,
         "wall_s": wall,
         "cpu_s": cpu,
+        "sys_s": after.ru_stime - before.ru_stime,
+        "page_faults": after.ru_minflt - before.ru_minflt,
         "peak_rss_mb": usage.ru_maxrss / 1024,
         "stdout": stdout,
         "stderr": stderr,
@@ -182,14 +184,17 @@ price_table = "{REPO / "data" / "prices.csv"}"
     return job
 
 
-def stage_seconds(timings: Path) -> tuple[dict[str, float], int, dict[str, float]]:
+def stage_seconds(
+    timings: Path, kernel: dict[str, float] | None = None
+) -> tuple[dict[str, float], int, dict[str, float]]:
     """Wall seconds per task name (summed), the number of task calls (what Prefect would
     record as task runs) and CPU seconds per task name, of one in-process run, from its
-    LOWTIDE_STAGE_TIMINGS file."""
+    LOWTIDE_STAGE_TIMINGS file; `kernel`, if given, gets the kernel's part of each."""
     if not timings.is_file():  # an unchanged night returns before any flow or task
         return {}, 0, {}
     stages: dict[str, float] = {}
     cpu: dict[str, float] = {}
+    kernel = {} if kernel is None else kernel
     calls = 0
     for line in timings.read_bytes().splitlines():
         entry = json.loads(line)
@@ -198,6 +203,7 @@ def stage_seconds(timings: Path) -> tuple[dict[str, float], int, dict[str, float
         calls += 1
         stages[entry["name"]] = stages.get(entry["name"], 0.0) + float(entry["seconds"])
         cpu[entry["name"]] = cpu.get(entry["name"], 0.0) + float(entry.get("cpu_s", 0.0))
+        kernel[entry["name"]] = kernel.get(entry["name"], 0.0) + float(entry.get("sys_s", 0.0))
     return stages, calls, cpu
 
 
@@ -226,7 +232,8 @@ def night(name: str, job: Path, env: dict[str, str], work: Path) -> dict:
             f"{name}: the run left no stage timings, so it went through a Prefect server (a "
             "profile or ./prefect.toml names one?): run the bench without one"
         )
-    stages, task_runs, stage_cpu = stage_seconds(timings)
+    stage_sys: dict[str, float] = {}
+    stages, task_runs, stage_cpu = stage_seconds(timings, stage_sys)
     sizes = {k: Path(env[k]).stat().st_size for k in ("LOWTIDE_STATE", "LOWTIDE_DB")}
     # the state is the file and its folder of requests' messages still to answer
     messages = Path(env["LOWTIDE_STATE"] + ".messages")
@@ -238,6 +245,7 @@ def night(name: str, job: Path, env: dict[str, str], work: Path) -> dict:
         "run": run,
         "stages": stages,
         "stage_cpu": stage_cpu,
+        "stage_sys": stage_sys,
         "task_runs": task_runs,
         "state_mb": sizes["LOWTIDE_STATE"] / 2**20,
         "published_mb": sizes["LOWTIDE_DB"] / 2**20,
@@ -391,7 +399,11 @@ def report(
         + "---|" * len(first["stage_cpu"])
         + "\n| "
         + " | ".join(f"{v:.1f}" for v in first["stage_cpu"].values())
-        + " |"
+        + " |\n| "
+        + " | ".join(f"{first['stage_sys'].get(k, 0.0):.1f}" for k in first["stage_cpu"])
+        + " |\n\n(second row: the kernel's part; of the whole tree's "
+        f"{first['cpu_s']:.1f} s, {first['sys_s']:.1f} s in the kernel, "
+        f"{first['page_faults']:,} pages touched afresh)"
     )
     size = lambda n: n["state_mb"] + n["published_mb"]  # noqa: E731
     print(
