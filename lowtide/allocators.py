@@ -1,7 +1,7 @@
-"""How DuckDB's and polars' allocators give memory back: at once.
+"""How long DuckDB's and polars' allocators keep freed memory before giving it back.
 
-Each links its own jemalloc, which keeps freed pages a while (up to seconds) to reuse them. A
-run frees big slices stage after stage, so both kept hundreds of MiB that were no longer in use
+Each links its own jemalloc, which by default keeps freed pages up to 10 s to reuse them. A run
+frees big slices stage after stage, so both kept hundreds of MiB that were no longer in use
 and the next stage's allocations came on top of them: at 100,000 rows the process held 500-850
 MB between stages and 450-550 with the pages handed back at once; at 1M rows the tops of
 reconcile, finalize and publish fell 2.24 -> 1.85, 2.1 -> 1.39 and 1.87 -> 1.64 GB. Each
@@ -9,11 +9,14 @@ library reads its setting once, when it starts, so they are set on importing low
 either loads (a process that imports polars first keeps polars' own), and processes lowtide
 starts inherit them; a value the user set is kept.
 
-Handing pages back at every free costs system time (a 100,000-row first night: 23.5 s of CPU,
-7.4 of it in the kernel, against 19.9 s with jemalloc's own 10 s). jemalloc's background
-thread with a 1 s decay (`background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0`) took
-that night to 20.8-22.4 s, but at 1M rows the first night peaked at 2.23 GB (reconcile) against
-1.91 with pages handed back at once: the 2 GB target wins, so they still go back at once.
+But a page handed back is a page the kernel must give again, zeroed, at the next allocation:
+on a virtual machine each such fault costs microseconds. With both handing back at once, a 1M
+first night touched 15.2 million fresh pages and spent 53.9 of its 157.9 s of CPU in the
+kernel (2026-12-06). polars allocates and frees every slice of every stage; keeping its freed
+pages for 3 s lets the next slice reuse them: 8.2 million faults, 38.1 s in the kernel, 130.7 s
+of CPU, at a peak of 1.74 GB against 1.54 (10 s: 126.0 s but 1.85 GB, too close to the 2 GB
+target). Blocks of 8 MiB and more still go back at once (jemalloc's own rule for them).
+DuckDB's pages still go back at once.
 """
 
 from __future__ import annotations
@@ -21,6 +24,10 @@ from __future__ import annotations
 import os
 
 RETURN_FREED_PAGES = "dirty_decay_ms:0,muzzy_decay_ms:0"
+REUSE_FREED_PAGES = "dirty_decay_ms:3000,muzzy_decay_ms:0"
 
-for variable in ("DUCKDB_JE_MALLOC_CONF", "_RJEM_MALLOC_CONF"):  # DuckDB's, then polars'
-    os.environ.setdefault(variable, RETURN_FREED_PAGES)
+for variable, setting in (
+    ("DUCKDB_JE_MALLOC_CONF", RETURN_FREED_PAGES),  # DuckDB's
+    ("_RJEM_MALLOC_CONF", REUSE_FREED_PAGES),  # polars'
+):
+    os.environ.setdefault(variable, setting)
