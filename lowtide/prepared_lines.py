@@ -29,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from lowtide.request_lines import JsonlLines, joined
+from lowtide.request_lines import JsonlFile, joined
 
 if TYPE_CHECKING:
     from lowtide.store import Store
@@ -110,11 +110,11 @@ def _unfinished(work_dir: Path, batch_id: str) -> Path:
     return work_dir / _FOLDER / f"{batch_id}.partial"
 
 
-def read(work_dir: Path, batch_id: str, n_requests: int) -> JsonlLines | None:
-    """The batch's prepared lines, or None when there is no complete file of exactly
-    `n_requests` lines (the caller builds them from the store then)."""
+def read(work_dir: Path, batch_id: str, n_requests: int) -> JsonlFile | None:
+    """The batch's prepared lines (their file, read when sent), or None when there is no
+    complete file of exactly `n_requests` lines (the caller builds them from the store then)."""
     try:
-        return JsonlLines(_path(work_dir, batch_id, n_requests).read_bytes(), n_requests)
+        return JsonlFile(_path(work_dir, batch_id, n_requests), n_requests)
     except (OSError, ValueError):
         return None
 

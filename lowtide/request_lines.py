@@ -12,7 +12,8 @@ inline requests).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from typing import overload
+from pathlib import Path
+from typing import BinaryIO, overload
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -86,7 +87,7 @@ class JsonlLines(Sequence[str]):
 
     def _split(self) -> list[str]:
         if self._lines is None:
-            self._lines = self._payload.decode("utf-8").split("\n")[:-1]
+            self._lines = self.jsonl().decode("utf-8").split("\n")[:-1]
         return self._lines
 
     def __len__(self) -> int:
@@ -106,6 +107,31 @@ class JsonlLines(Sequence[str]):
 
     def jsonl(self) -> bytes:
         return self._payload
+
+
+class JsonlFile(JsonlLines):
+    """The lines of one batch as a JSONL file (every line ended by a newline), read only when
+    they are needed: an upload streams the file (`open`). Reading a ~75 MB payload whole for
+    each of a 1M night's batches cost 4.5 s of CPU, nearly all of it the kernel giving the
+    fresh buffers their pages; streamed a piece at a time, 0.2 s."""
+
+    def __init__(self, path: Path, count: int) -> None:
+        size = path.stat().st_size
+        if size < count:  # every line holds its newline at least
+            raise ValueError(f"{path}: {size} bytes cannot hold {count} lines")
+        with path.open("rb") as f:
+            if size and (f.seek(size - 1), f.read(1))[1] != b"\n":
+                raise ValueError(f"{path}: cut short, its last line has no newline")
+        self.path = path
+        self._count = count
+        self._lines = None
+
+    def open(self) -> BinaryIO:
+        """The payload as a binary file, to be sent as it is."""
+        return self.path.open("rb")
+
+    def jsonl(self) -> bytes:
+        return self.path.read_bytes()
 
 
 def jsonl_payload(lines: Iterable[str]) -> bytes:

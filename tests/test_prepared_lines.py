@@ -4,14 +4,20 @@ stale or short is never sent in their place."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import orjson
 import pyarrow as pa
 import pytest
 
 from lowtide import prepared_lines
+from lowtide.backends.openai_batch import OpenAIBatchBackend
+from lowtide.emulator import Emulator, EmulatorConfig
 from lowtide.jobspec import load_job
+from lowtide.request_lines import JsonlFile
 from lowtide.store import Store
 from tests.conftest import SAMPLE_JOB
+from tests.emulator.conftest import TEST_CONFIG, admin, openai_client, set_faults
 from tests.tasks.test_assemble import _manifest, _requests
 
 USERS = ['He said "hi"\n\tthen left 🙂', "Zoë\\n", "plain", "\x00\x1f ctrl", "€" * 300, ""] * 3
@@ -107,3 +113,27 @@ def test_a_single_batch_is_left_to_the_store(planned) -> None:
     store, batches, work = planned
     prepared_lines.prepare(store, work, batches["batch_id"].head(1).to_list())
     assert not (work / "lines").exists()
+
+
+@pytest.fixture
+def emu() -> Iterator[Emulator]:
+    started = Emulator(EmulatorConfig(**TEST_CONFIG)).start()
+    yield started
+    started.stop()
+
+
+def test_a_prepared_file_is_uploaded_whole_even_when_the_sdk_sends_it_again(planned, emu) -> None:
+    """The upload streams the prepared file; a retried upload (here after a 500) sends it
+    from its start again, and the provider holds exactly the file's bytes."""
+    store, batches, work = planned
+    prepared_lines.prepare(store, work, batches["batch_id"].to_list())
+    batch_id, n = next(iter(_counts(batches).items()))
+    lines = prepared_lines.read(work, batch_id, n)
+    assert isinstance(lines, JsonlFile)
+    set_faults(emu, "500:POST /v1/files:1")
+    client = openai_client(emu, max_retries=2)
+    file_id = OpenAIBatchBackend(client).upload(batch_id, lines)
+    rules = admin(emu, "GET", "/_emulator/faults")["rules"]
+    assert [rule["count"] for rule in rules] == [0]  # the first try was refused
+    assert client.files.content(file_id).content == lines.path.read_bytes()
+    assert _same_lines(lines, store.batch_lines(batch_id))

@@ -23,7 +23,7 @@ from lowtide.backends.keys import require_key
 from lowtide.backends.wire import EMULATOR_FINGERPRINT, is_transient_status
 from lowtide.errors import InputFileGoneError
 from lowtide.json_lines import json_lines
-from lowtide.request_lines import jsonl_payload
+from lowtide.request_lines import JsonlFile, jsonl_payload
 
 T = TypeVar("T")
 
@@ -243,10 +243,18 @@ class OpenAIBatchBackend:
             raise translate(e, operation, self.client.base_url) from e
 
     def upload(self, batch_id: str, lines: Sequence[str]) -> str:
-        payload = jsonl_payload(lines)
+        name = f"{batch_id}.jsonl"
+        if isinstance(lines, JsonlFile):
+            # streamed from the prepared file (the SDK's retries send it again from its start)
+            with lines.open() as payload:
+                f = self._call(
+                    "upload",
+                    lambda: self.client.files.create(file=(name, payload), purpose="batch"),
+                )
+            return f.id
+        body = jsonl_payload(lines)
         f = self._call(
-            "upload",
-            lambda: self.client.files.create(file=(f"{batch_id}.jsonl", payload), purpose="batch"),
+            "upload", lambda: self.client.files.create(file=(name, body), purpose="batch")
         )
         return f.id
 
