@@ -12,6 +12,13 @@ TEXTS = [
     'He said "hi"\n\tthen left 🙂',
     "back\\slash and a/slash",
     "\x00\x01\x08\x0b\x0c\x0e\x1a\x1f\x7f controls",  # hex escapes: polars writes them lower case
+    # each alone: short escapes (\b, \f, \r) both write alike, hex ones only DuckDB's way
+    "a\x08b",
+    "a\x0cb",
+    "a\rb",
+    "a\x1bb",
+    "a\x7fb",
+    "a\u0085b\ufeff",
     "the text \\u001f itself, not an escape",
     "\u2028\u2029 line separators, Zoë, €, 漢字",
     "",
@@ -27,4 +34,5 @@ def test_escaped_as_the_store_escapes() -> None:
         theirs = con.sql("SELECT to_json(user) AS j FROM t").pl()["j"]
     assert ours.name == "user"
     assert ours.to_list() == theirs.to_list()
-    assert ours[6] is None  # a missing message stays missing: its line is refused, not "null"
+    # a missing message stays missing: its line is refused, not sent with "null"
+    assert ours[TEXTS.index(None)] is None
