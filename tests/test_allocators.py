@@ -3,7 +3,7 @@ seconds to be reused (lowtide/allocators.py).
 
 Each probe is a process of its own, started as a user's shell starts `lowtide run`: what
 counts is what importing lowtide sets before DuckDB and polars load. The figures are the
-process's own resident memory after a big table or a big frame is gone, never time.
+process's own resident memory after a big table or a big frame is gone; nothing is timed.
 """
 
 from __future__ import annotations
