@@ -185,16 +185,16 @@ price_table = "{REPO / "data" / "prices.csv"}"
 
 
 def stage_seconds(
-    timings: Path, kernel: dict[str, float] | None = None
-) -> tuple[dict[str, float], int, dict[str, float]]:
+    timings: Path,
+) -> tuple[dict[str, float], int, dict[str, float], dict[str, float]]:
     """Wall seconds per task name (summed), the number of task calls (what Prefect would
-    record as task runs) and CPU seconds per task name, of one in-process run, from its
-    LOWTIDE_STAGE_TIMINGS file; `kernel`, if given, gets the kernel's part of each."""
+    record as task runs), CPU seconds per task name and the kernel's part of them, of one
+    in-process run, from its LOWTIDE_STAGE_TIMINGS file."""
     if not timings.is_file():  # an unchanged night returns before any flow or task
-        return {}, 0, {}
+        return {}, 0, {}, {}
     stages: dict[str, float] = {}
     cpu: dict[str, float] = {}
-    kernel = {} if kernel is None else kernel
+    kernel: dict[str, float] = {}
     calls = 0
     for line in timings.read_bytes().splitlines():
         entry = json.loads(line)
@@ -204,7 +204,7 @@ def stage_seconds(
         stages[entry["name"]] = stages.get(entry["name"], 0.0) + float(entry["seconds"])
         cpu[entry["name"]] = cpu.get(entry["name"], 0.0) + float(entry.get("cpu_s", 0.0))
         kernel[entry["name"]] = kernel.get(entry["name"], 0.0) + float(entry.get("sys_s", 0.0))
-    return stages, calls, cpu
+    return stages, calls, cpu, kernel
 
 
 def night(name: str, job: Path, env: dict[str, str], work: Path) -> dict:
@@ -232,8 +232,7 @@ def night(name: str, job: Path, env: dict[str, str], work: Path) -> dict:
             f"{name}: the run left no stage timings, so it went through a Prefect server (a "
             "profile or ./prefect.toml names one?): run the bench without one"
         )
-    stage_sys: dict[str, float] = {}
-    stages, task_runs, stage_cpu = stage_seconds(timings, stage_sys)
+    stages, task_runs, stage_cpu, stage_sys = stage_seconds(timings)
     sizes = {k: Path(env[k]).stat().st_size for k in ("LOWTIDE_STATE", "LOWTIDE_DB")}
     # the state is the file and its folder of requests' messages still to answer
     messages = Path(env["LOWTIDE_STATE"] + ".messages")

@@ -15,6 +15,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO, overload
 
+import orjson
+import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -46,6 +48,14 @@ class RequestLines(Sequence[str]):
     def jsonl(self) -> bytes:
         """The lines as one JSONL payload, each ended by a newline."""
         return b"".join(ended_lines(chunk) for chunk in self._column.chunks)
+
+
+def json_string(column: str) -> pl.Expr:
+    """Each text of `column` as a JSON string, quotes included, escaped by polars in compiled
+    code (a null becomes `null`)."""
+    # struct.json_encode gives {"<column>":"<escaped>"}; the slice keeps the quoted string
+    key = len(orjson.dumps(column)) + 2
+    return pl.struct(column).struct.json_encode().str.slice(key).str.head(-1)
 
 
 def ended_lines(lines: pa.Array) -> pa.Buffer:

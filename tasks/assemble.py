@@ -19,6 +19,7 @@ from lowtide.crashpoints import crash_point
 from lowtide.errors import BudgetExceededError
 from lowtide.jobspec import JobSpec
 from lowtide.orchestration import task
+from lowtide.request_lines import json_string
 from lowtide.runlog import stage_log
 from lowtide.slices import by_slices
 from lowtide.tokens import count_tokens
@@ -84,11 +85,6 @@ def template_id(job: JobSpec) -> str:
     return f"openai_chat-{job.prompt_fingerprint()[:24]}"
 
 
-def _escaped(column: str) -> pl.Expr:
-    # struct.json_encode gives {"u":"<escaped>"}; the slice keeps the quoted JSON string
-    return pl.struct(pl.col(column).alias("u")).struct.json_encode().str.slice(5).str.head(-1)
-
-
 def openai_lines(job: JobSpec, requests: pl.DataFrame) -> pl.Series:
     """The full OpenAI batch line of each request (for tests and small sets; the store builds
     lines per shard from the template, so a million lines are never held at once)."""
@@ -99,7 +95,7 @@ def openai_lines(job: JobSpec, requests: pl.DataFrame) -> pl.Series:
                 pl.lit(head + '"'),
                 pl.col("custom_id"),
                 pl.lit('"' + mid),
-                _escaped("user"),
+                json_string("user"),
                 pl.lit(tail),
             ]
         ).alias("line")
@@ -109,7 +105,7 @@ def openai_lines(job: JobSpec, requests: pl.DataFrame) -> pl.Series:
 def _line_bytes_expr(job: JobSpec) -> pl.Expr:
     head, mid, tail = line_template(job)
     fixed = len((head + mid + tail).encode()) + 2
-    return pl.col("custom_id").str.len_bytes() + _escaped("user").str.len_bytes() + fixed
+    return pl.col("custom_id").str.len_bytes() + json_string("user").str.len_bytes() + fixed
 
 
 def line_bytes(job: JobSpec, requests: pl.DataFrame) -> pl.Series:

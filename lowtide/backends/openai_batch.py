@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from typing import Any, TypeVar
 
 import openai
@@ -243,19 +244,19 @@ class OpenAIBatchBackend:
             raise translate(e, operation, self.client.base_url) from e
 
     def upload(self, batch_id: str, lines: Sequence[str]) -> str:
-        name = f"{batch_id}.jsonl"
-        if isinstance(lines, JsonlFile):
-            # streamed from the prepared file (the SDK's retries send it again from its start)
-            with lines.open() as payload:
-                f = self._call(
-                    "upload",
-                    lambda: self.client.files.create(file=(name, payload), purpose="batch"),
-                )
-            return f.id
-        body = jsonl_payload(lines)
-        f = self._call(
-            "upload", lambda: self.client.files.create(file=(name, body), purpose="batch")
-        )
+        with ExitStack() as stack:
+            # a prepared file is streamed (the SDK's retries send it again from its start)
+            payload = (
+                stack.enter_context(lines.open())
+                if isinstance(lines, JsonlFile)
+                else jsonl_payload(lines)
+            )
+            f = self._call(
+                "upload",
+                lambda: self.client.files.create(
+                    file=(f"{batch_id}.jsonl", payload), purpose="batch"
+                ),
+            )
         return f.id
 
     def create(self, batch_id: str, input_file_id: str | None, lines: Sequence[str]) -> str:

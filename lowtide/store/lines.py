@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lowtide.errors import LowtideError
-from lowtide.request_lines import RequestLines
+from lowtide.request_lines import RequestLines, json_string
 from lowtide.slices import file_slices
 from lowtide.store import message_files
 from lowtide.store._db import Database, frame
@@ -52,12 +52,7 @@ def json_strings(con: duckdb.DuckDBPyConnection, texts: pl.Series) -> pl.Series:
     escaped = (
         texts.rename("u")
         .to_frame()
-        .select(
-            pl.when(pl.col("u").is_not_null()).then(
-                # {"u":"<escaped>"}: the slice keeps the quoted JSON string
-                pl.struct("u").struct.json_encode().str.slice(5).str.head(-1)
-            )
-        )
+        .select(pl.when(pl.col("u").is_not_null()).then(json_string("u")))
         .to_series()
     )
     # a literal search (a tenth of the CPU of testing the texts for control characters)
