@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import orjson
-import pyarrow as pa
+import polars as pl
 import pytest
 
 from lowtide import prepared_lines
@@ -72,9 +72,9 @@ def test_lines_in_runs_or_interleaved_reach_their_batch(planned, monkeypatch, mo
 
 
 def test_runs_of_one_batch_are_found_in_order(monkeypatch) -> None:
-    ids = pa.array(["a", "a", "b", "b", "b", "a"])
+    ids = pl.Series(["a", "a", "b", "b", "b", "a"])
     assert prepared_lines._runs(ids) == [("a", 0, 2), ("b", 2, 3), ("a", 5, 1)]
-    assert prepared_lines._runs(pa.array([], pa.string())) == []
+    assert prepared_lines._runs(pl.Series([], dtype=pl.String)) == []
     monkeypatch.setattr(prepared_lines, "_MOST_RUNS", 2)
     assert prepared_lines._runs(ids) is None  # too many runs: filtered per batch instead
 

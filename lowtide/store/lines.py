@@ -13,7 +13,6 @@ from pathlib import Path
 
 import duckdb
 import polars as pl
-import pyarrow as pa
 import pyarrow.compute as pc
 
 from lowtide.errors import LowtideError
@@ -23,19 +22,13 @@ from lowtide.store import message_files
 from lowtide.store._db import Database, frame
 from lowtide.vocabulary import ANSWERED, IN_FLIGHT_RUN, sql_list
 
-
-def line_sql(*, ended: bool = False) -> str:
-    """A request's line: stored whole (re-asks), or rebuilt from its template (`t`) and message
-    (stored, or in its messages file: joined as `m` by `_WITH_MESSAGE`); `ended`: with its
-    newline. `line_expr` builds the same lines in polars."""
-    line = (
-        "coalesce(q.line, t.head || '\"' || q.custom_id || '\"' || t.mid || "
-        "to_json(coalesce(q.user_message, m.user)) || t.tail)"
-    )
-    return f"{line} || chr(10)" if ended else line
-
-
-LINE_SQL = line_sql()
+LINE_SQL = (
+    "coalesce(q.line, t.head || '\"' || q.custom_id || '\"' || t.mid || "
+    "to_json(coalesce(q.user_message, m.user)) || t.tail)"
+)
+"""A request's line: stored whole (re-asks), or rebuilt from its template (`t`) and message
+(stored, or in its messages file: joined as `m` by `_WITH_MESSAGE`). `line_expr` builds the same
+lines in polars."""
 
 _HEX_ESCAPE = "\\u00"
 """How a JSON string holds a control character it has no short escape for: polars writes its
@@ -45,7 +38,7 @@ found over a million real texts)."""
 
 def json_strings(con: duckdb.DuckDBPyConnection, texts: pl.Series) -> pl.Series:
     """Each text as a JSON string, quotes included (null stays null), byte for byte as
-    `line_sql`'s `to_json` writes it, so a line is the same whichever builds it. polars
+    `LINE_SQL`'s `to_json` writes it, so a line is the same whichever builds it. polars
     escapes in compiled code: a night's million lines took half the CPU of DuckDB's building
     them. The rare strings holding a hex escape (or the text `\\u00` itself) are escaped by
     `to_json` itself."""
@@ -67,8 +60,8 @@ def json_strings(con: duckdb.DuckDBPyConnection, texts: pl.Series) -> pl.Series:
     return escaped.rename(texts.name)
 
 
-def line_expr(escaped_user: str, *, ended: bool = False) -> pl.Expr:
-    """`line_sql` in polars, over a frame of the requests' columns, their templates' (`head`,
+def line_expr(escaped_user: str) -> pl.Expr:
+    """`LINE_SQL` in polars, over a frame of the requests' columns, their templates' (`head`,
     `mid`, `tail`) and the column `escaped_user` (`json_strings` of their messages)."""
     built = pl.concat_str(
         pl.col("head"),
@@ -79,8 +72,7 @@ def line_expr(escaped_user: str, *, ended: bool = False) -> pl.Expr:
         pl.col(escaped_user),
         pl.col("tail"),
     )
-    line = pl.coalesce(pl.col("line"), built)
-    return line + "\n" if ended else line
+    return pl.coalesce(pl.col("line"), built)
 
 
 _WITH_MESSAGE = (
@@ -94,7 +86,7 @@ _NO_FILE_NEEDED = _WITH_MESSAGE.format(messages=message_files.NO_MESSAGES)
 """The messages join for requests that need no file (`LINE_SQL` still names `m.user`)."""
 
 _LINES_PER_PART = 50_000
-"""Lines `each_batch_lines` hands over at a time (an Arrow record batch each)."""
+"""Lines `each_batch_lines` hands over at a time."""
 
 
 class LinesStore(Database):
@@ -159,12 +151,11 @@ class LinesStore(Database):
         self._require_lines(rows.column("line").null_count)
         return RequestLines(rows.column("line"))
 
-    def each_batch_lines(
-        self, batch_ids: list[str], sink: Callable[[pa.RecordBatch], None], *, ended: bool = False
-    ) -> None:
-        """The lines of every batch in `batch_ids`, handed to `sink` as Arrow record batches of
-        (batch_id, custom_id, line) in no particular order; `ended`: each line with its newline,
-        added as the line is built (a JSONL writer then copies no line again). One pass for
+    def each_batch_lines(self, batch_ids: list[str], sink: Callable[[pl.DataFrame], None]) -> None:
+        """The lines of every batch in `batch_ids`, handed to `sink` as frames of (batch_id,
+        custom_id, line) in no particular order, each line as polars built it (a JSONL writer
+        writes them from there: handing them over as Arrow's classic strings copied every line
+        once more, ~1.8 GB of fresh memory at a million requests). One pass for
         them all, where `batch_lines` joins once per batch (each join reads every message:
         ~1.7 s of CPU per 50,000-line batch at a million requests). The requests whose
         messages are in a file meet it a slice of the file at a time: joined whole, DuckDB
@@ -177,13 +168,13 @@ class LinesStore(Database):
             )
             # lines that need no file: sent whole (re-asks), or their message stored in the table
             reader = con.sql(
-                f"SELECT br.batch_id, q.custom_id, {line_sql(ended=ended)} AS line FROM {members} "
+                f"SELECT br.batch_id, q.custom_id, {LINE_SQL} AS line FROM {members} "
                 f"LEFT JOIN request_templates t USING (template_id){_NO_FILE_NEEDED} "
                 "WHERE q.message_file IS NULL"
             ).to_arrow_reader(_LINES_PER_PART)
             for part in reader:
                 self._require_lines(part.column("line").null_count)
-                sink(part)
+                sink(pl.DataFrame(pl.from_arrow(part)))
             from_files = con.sql(
                 "SELECT br.batch_id, q.custom_id, q.message_file, q.template_id, q.line, "
                 f"q.user_message FROM {members} WHERE q.message_file IS NOT NULL"
@@ -191,15 +182,14 @@ class LinesStore(Database):
             con.register("from_files", from_files)
             for name in pc.unique(from_files.column("message_file")).to_pylist():
                 wanted = pc.sum(pc.equal(from_files.column("message_file"), name)).as_py()
-                found = self._lines_from_file(con, name, sink, ended)
+                found = self._lines_from_file(con, name, sink)
                 self._require_lines(wanted - found)
 
     def _lines_from_file(
         self,
         con: duckdb.DuckDBPyConnection,
         name: str,
-        sink: Callable[[pa.RecordBatch], None],
-        ended: bool,
+        sink: Callable[[pl.DataFrame], None],
     ) -> int:
         """The lines of `from_files`' requests whose messages are in the file `name`, a slice of
         it at a time; returns how many (fewer than asked for when the file lacks some). Each
@@ -232,13 +222,11 @@ class LinesStore(Database):
             users = pl.select(pl.coalesce(q["user_message"], message)).to_series()
             offset += part.height
             lines = q.with_columns(json_strings(con, users).alias("_escaped")).select(
-                "batch_id", "custom_id", line_expr("_escaped", ended=ended).alias("line")
+                "batch_id", "custom_id", line_expr("_escaped").alias("line")
             )
             self._require_lines(lines["line"].null_count())
             found += lines.height
-            # Arrow's classic strings: a JSONL writer takes their bytes as they lie (`joined`)
-            for batch in lines.to_arrow(compat_level=pl.CompatLevel.oldest()).to_batches():
-                sink(batch)
+            sink(lines)
         return found
 
     def request_lines(self, custom_ids: list[str]) -> pl.DataFrame:
