@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import duckdb
@@ -38,16 +39,16 @@ def duckdb_type(dtype: Any) -> str:
     raise TypeError(f"no DuckDB type for {dtype}")
 
 
-def json_lines(content: bytes, schema: Mapping[str, Any]) -> pl.DataFrame:
-    """JSON lines → a frame of `schema` (nested structs and lists typed as given; fields not in
-    it ignored, absent ones null). ValueError naming the problem when a line is not JSON of
-    those types; Ctrl-C while it reads stays Ctrl-C."""
+def json_lines(content: bytes | Path, schema: Mapping[str, Any]) -> pl.DataFrame:
+    """JSON lines (bytes, or a file DuckDB reads itself) → a frame of `schema` (nested structs
+    and lists typed as given; fields not in it ignored, absent ones null). ValueError naming
+    the problem when a line is not JSON of those types; Ctrl-C while it reads stays Ctrl-C."""
     columns = {name: duckdb_type(dtype) for name, dtype in schema.items()}
     con = duckdb.connect()
     try:
         with kept_through_duckdb():
             table = con.read_json(
-                io.BytesIO(content),
+                str(content) if isinstance(content, Path) else io.BytesIO(content),
                 columns=columns,
                 format="newline_delimited",
                 maximum_object_size=_LARGEST_LINE,

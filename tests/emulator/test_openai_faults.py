@@ -8,6 +8,8 @@ import httpx
 import openai
 import pytest
 
+from lowtide.backends.base import TransientBackendError
+from lowtide.backends.openai_batch import _DOWNLOAD_ATTEMPTS, OpenAIBatchBackend
 from lowtide.emulator import EmulatorConfig
 from lowtide.emulator.config import FaultRule, parse_faults
 from tests.emulator.conftest import admin, advance, openai_client, set_faults, upload_batch
@@ -83,6 +85,28 @@ def test_connection_dropped_mid_download(emu):
     set_faults(emu, "drop:GET /v1/files/*/content:1")
     # files.content is not streamed, so the SDK's retry hides one cut.
     assert openai_client(emu, max_retries=2).files.content(file_id).content == full
+
+
+def test_results_cut_mid_download_are_read_again_whole(emu):
+    """The backend streams a results file to disk; a body cut mid-way is asked for again (the
+    SDK retries a request, not a body read in pieces), and past its tries it is transient,
+    for the join to retry later."""
+    client = openai_client(emu, max_retries=0)
+    file_id, ids = upload_batch(client, n=6)
+    batch = client.batches.create(
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    advance(emu, 100_000)
+    backend = OpenAIBatchBackend(client)
+    state = backend.poll(batch.id)
+    whole = backend.results(state).sort("custom_id")
+    assert whole["custom_id"].to_list() == ids and set(whole["status"]) == {"answered"}
+    set_faults(emu, "drop:GET /v1/files/*/content:2")
+    assert backend.results(state).sort("custom_id").equals(whole)
+    assert _remaining(emu) == [0]  # both cuts happened, and the third read was whole
+    set_faults(emu, f"drop:GET /v1/files/*/content:{_DOWNLOAD_ATTEMPTS}")
+    with pytest.raises(TransientBackendError, match="connection dropped while reading"):
+        backend.results(state)
 
 
 def test_missing_auth_is_401_in_openai_envelope(emu):
