@@ -207,6 +207,19 @@ def stage_seconds(
     return stages, calls, cpu, kernel
 
 
+def peak_stage(timings: Path) -> str:
+    """The stage in which the run's process first reached its peak memory (timing lines carry
+    the process's high-water mark so far)."""
+    if not timings.is_file():
+        return "-"
+    tasks = [e for e in map(json.loads, timings.read_bytes().splitlines()) if e["kind"] == "task"]
+    marks = [(e["name"], e["peak_rss_mb"]) for e in tasks if "peak_rss_mb" in e]
+    if not marks:
+        return "-"
+    top = max(mb for _, mb in marks)
+    return next(name for name, mb in marks if mb == top)
+
+
 def night(name: str, job: Path, env: dict[str, str], work: Path) -> dict:
     # no Prefect server is configured here, so the CLI runs the flow in-process (as a user's
     # would) and writes each stage's seconds to this file
@@ -246,6 +259,7 @@ def night(name: str, job: Path, env: dict[str, str], work: Path) -> dict:
         "stage_cpu": stage_cpu,
         "stage_sys": stage_sys,
         "task_runs": task_runs,
+        "peak_stage": peak_stage(timings),
         "state_mb": sizes["LOWTIDE_STATE"] / 2**20,
         "published_mb": sizes["LOWTIDE_DB"] / 2**20,
     }
@@ -402,7 +416,8 @@ def report(
         + " | ".join(f"{first['stage_sys'].get(k, 0.0):.1f}" for k in first["stage_cpu"])
         + " |\n\n(second row: the kernel's part; of the whole tree's "
         f"{first['cpu_s']:.1f} s, {first['sys_s']:.1f} s in the kernel, "
-        f"{first['page_faults']:,} pages touched afresh)"
+        f"{first['page_faults']:,} pages touched afresh; its peak memory was reached in "
+        f"{first['peak_stage']})"
     )
     size = lambda n: n["state_mb"] + n["published_mb"]  # noqa: E731
     print(

@@ -158,6 +158,9 @@ def _timed(kind: str, name: str, run_name: str) -> Iterator[None]:
                 "cpu_s": time.process_time() - cpu_started,
                 "sys_s": now.ru_stime - usage.ru_stime,
                 "page_faults": now.ru_minflt - usage.ru_minflt,
+                # the process's high-water mark so far: the first stage that shows the run's
+                # final figure is where its peak was
+                "peak_rss_mb": round(now.ru_maxrss / 1024, 1),
             }
             try:
                 with path.open("ab") as out:

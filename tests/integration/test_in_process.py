@@ -53,6 +53,8 @@ def test_a_run_without_a_server_starts_no_prefect_and_records_its_stages(
     assert STAGES <= {line["name"] for line in lines}
     assert [line["name"] for line in lines if line["kind"] == "flow"] == ["enrich"]
     assert all(line["seconds"] >= 0 for line in lines)
+    # each line carries the process's memory high-water mark so far (where a peak came from)
+    assert all(line["peak_rss_mb"] > 0 for line in lines)
     assert any(line["run_name"] == f"publish-{run['run_id']}" for line in lines)
 
 
