@@ -16,6 +16,7 @@ from lowtide.emulator import Emulator, EmulatorConfig
 from lowtide.jobspec import load_job
 from lowtide.request_lines import JsonlFile
 from lowtide.store import Store
+from tasks.assemble import sized_requests
 from tests.conftest import SAMPLE_JOB
 from tests.emulator.conftest import TEST_CONFIG, admin, openai_client, set_faults
 from tests.tasks.test_assemble import _manifest, _requests
@@ -23,11 +24,21 @@ from tests.tasks.test_assemble import _manifest, _requests
 USERS = ['He said "hi"\n\tthen left 🙂', "Zoë\\n", "plain", "\x00\x1f ctrl", "€" * 300, ""] * 3
 
 
-@pytest.fixture
-def planned(tmp_path):
-    """A real store with a manifest of 18 requests in 6 batches of 3."""
-    store = Store(tmp_path / "state.duckdb")
-    batches = _manifest(load_job(SAMPLE_JOB), store, _requests(USERS), max_requests=3)
+@pytest.fixture(params=["table", "messages file"])
+def planned(tmp_path, request):
+    """A real store with a manifest of 18 requests in 6 batches of 3, their messages stored in
+    the requests table (lines built by DuckDB) or left in a messages file (built by polars)."""
+    store, job = Store(tmp_path / "state.duckdb"), load_job(SAMPLE_JOB)
+    if request.param == "table":
+        batches = _manifest(job, store, _requests(USERS), max_requests=3)
+    else:
+        path = tmp_path / "to_send.parquet"
+        _requests(USERS).with_columns(pl.lit(False).alias("urgent")).write_parquet(
+            path, row_group_size=4
+        )
+        sized = sized_requests(job, path).drop("urgent")
+        batches = _manifest(job, store, sized, messages=path, max_requests=3)
+        assert any(store.messages_dir.iterdir())  # kept beside the state, not in the table
     assert batches.height == 6
     return store, batches, tmp_path / "work"
 
