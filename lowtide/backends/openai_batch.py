@@ -366,14 +366,22 @@ class OpenAIBatchBackend:
                         operation="download",
                     ) from e
 
+    def _file_results(self, file_id: str) -> pl.DataFrame:
+        """One results file, parsed from a temporary copy on disk; read into memory instead
+        when the temporary folder cannot hold it (full, missing, read-only)."""
+        try:
+            with tempfile.TemporaryDirectory(prefix="lowtide-results-") as folder:
+                path = Path(folder) / "results.jsonl"
+                self._download(file_id, path)
+                return parse_result_lines(path)
+        except OSError:
+            content = self._call("download", lambda: self.client.files.content(file_id).content)
+            return parse_result_lines(content)
+
     def results(self, state: BatchState) -> pl.DataFrame:
-        frames = []
-        with tempfile.TemporaryDirectory(prefix="lowtide-results-") as folder:
-            for fid in (state.output_file_id, state.error_file_id):
-                if fid:
-                    path = Path(folder) / "results.jsonl"
-                    self._download(fid, path)
-                    frames.append(parse_result_lines(path))
+        frames = [
+            self._file_results(fid) for fid in (state.output_file_id, state.error_file_id) if fid
+        ]
         if not frames:
             return pl.DataFrame(schema=RESULT_SCHEMA)
         return pl.concat(frames)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import tempfile
 
 import httpx
 import openai
@@ -107,6 +108,23 @@ def test_results_cut_mid_download_are_read_again_whole(emu):
     set_faults(emu, f"drop:GET /v1/files/*/content:{_DOWNLOAD_ATTEMPTS}")
     with pytest.raises(TransientBackendError, match="connection dropped while reading"):
         backend.results(state)
+
+
+def test_results_are_read_in_memory_when_the_temporary_folder_cannot_hold_them(
+    emu, tmp_path, monkeypatch
+):
+    client = openai_client(emu, max_retries=0)
+    file_id, ids = upload_batch(client, n=4)
+    batch = client.batches.create(
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    advance(emu, 100_000)
+    backend = OpenAIBatchBackend(client)
+    state = backend.poll(batch.id)
+    whole = backend.results(state).sort("custom_id")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "gone"))  # as a vanished TMPDIR
+    assert backend.results(state).sort("custom_id").equals(whole)
+    assert whole["custom_id"].to_list() == ids
 
 
 def test_missing_auth_is_401_in_openai_envelope(emu):
