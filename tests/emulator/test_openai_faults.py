@@ -88,12 +88,11 @@ def test_connection_dropped_mid_download(emu):
     assert openai_client(emu, max_retries=2).files.content(file_id).content == full
 
 
-def test_results_cut_mid_download_are_read_again_whole(emu):
-    """The backend streams a results file to disk; a body cut mid-way is asked for again (the
-    SDK retries a request, not a body read in pieces), and past its tries it is transient,
-    for the join to retry later."""
+def _ended_batch(emu, n: int):
+    """A batch of `n` requests run to its end; the backend, its state, and its results read
+    once (sorted by custom_id)."""
     client = openai_client(emu, max_retries=0)
-    file_id, ids = upload_batch(client, n=6)
+    file_id, ids = upload_batch(client, n=n)
     batch = client.batches.create(
         input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
     )
@@ -102,6 +101,14 @@ def test_results_cut_mid_download_are_read_again_whole(emu):
     state = backend.poll(batch.id)
     whole = backend.results(state).sort("custom_id")
     assert whole["custom_id"].to_list() == ids and set(whole["status"]) == {"answered"}
+    return backend, state, whole
+
+
+def test_results_cut_mid_download_are_read_again_whole(emu):
+    """The backend streams a results file to disk; a body cut mid-way is asked for again (the
+    SDK retries a request, not a body read in pieces), and past its tries it is transient,
+    for the join to retry later."""
+    backend, state, whole = _ended_batch(emu, 6)
     set_faults(emu, "drop:GET /v1/files/*/content:2")
     assert backend.results(state).sort("custom_id").equals(whole)
     assert _remaining(emu) == [0]  # both cuts happened, and the third read was whole
@@ -113,18 +120,9 @@ def test_results_cut_mid_download_are_read_again_whole(emu):
 def test_results_are_read_in_memory_when_the_temporary_folder_cannot_hold_them(
     emu, tmp_path, monkeypatch
 ):
-    client = openai_client(emu, max_retries=0)
-    file_id, ids = upload_batch(client, n=4)
-    batch = client.batches.create(
-        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
-    )
-    advance(emu, 100_000)
-    backend = OpenAIBatchBackend(client)
-    state = backend.poll(batch.id)
-    whole = backend.results(state).sort("custom_id")
+    backend, state, whole = _ended_batch(emu, 4)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "gone"))  # as a vanished TMPDIR
     assert backend.results(state).sort("custom_id").equals(whole)
-    assert whole["custom_id"].to_list() == ids
 
 
 def test_missing_auth_is_401_in_openai_envelope(emu):
