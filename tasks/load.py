@@ -402,6 +402,12 @@ def load_eval_set(job: JobSpec) -> pl.DataFrame | None:
     path = job.resolve(job.qa.eval_set) or ""
     frame = read_table(path, text_columns=(job.qa.eval_id_column, job.input.text_column))
     template_cols = [c for c in job.prompt.template_fields() if c != "text"]
+    if frame.height == 0:
+        # its gate would have nothing to score, and a run would fail at the end, paid for
+        raise InputError(
+            f"{path}: the eval set has no rows (only a header?); add gold rows or remove "
+            "[qa] eval_set"
+        )
     gold = [f for f in job.output_schema.get("properties", {}) if f in frame.columns]
     if not gold:
         raise InputError(

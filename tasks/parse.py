@@ -19,10 +19,12 @@ from lowtide.backends import EMULATOR_ENGINE
 from lowtide.context import RunContext
 from lowtide.crashpoints import crash_point
 from lowtide.orchestration import task
+from lowtide.pricing import Price
 from lowtide.runlog import stage_log
 from lowtide.slices import WORK_FILE_COMPRESSION
 from lowtide.store import Store
-from lowtide.vocabulary import Outcome, RequestStatus
+from lowtide.vocabulary import Channel, Outcome, RequestStatus
+from tasks.reconcile import request_costs
 
 Validator = Any  # jsonschema_rs validators share no importable base class
 
@@ -115,10 +117,13 @@ def _result_rows(
     run_id: str,
     engine: str,
     channel: str,
+    price: Price | None = None,
 ) -> pl.DataFrame:
     """Parsed results as rows of the results table: with how often each request was tried
-    (`attempts`: custom_id, attempts) and which engine answered (`answered_by`)."""
-    return parsed.join(attempts, on="custom_id", how="left").select(
+    (`attempts`: custom_id, attempts) and which engine answered (`answered_by`). With
+    `price`, a batch request that carries usage is priced as it is stored; reconcile prices
+    the rest and re-prices any row whose stored price differs from its own."""
+    rows = parsed.join(attempts, on="custom_id", how="left").select(
         "custom_id",
         pl.lit(batch_id).alias("batch_id"),
         pl.lit(run_id).alias("run_id"),
@@ -134,6 +139,14 @@ def _result_rows(
         pl.lit(channel).alias("channel"),
         pl.lit(None, pl.Float64).alias("cost_usd"),  # priced by reconcile, never left stale
         answered_by(parsed, engine).alias("engine"),
+    )
+    if price is None or channel != Channel.BATCH.value:
+        return rows
+    # reconcile would otherwise rewrite every result row it prices (1M rows: an UPDATE of the
+    # whole night's results); it still checks each price, so none is left stale
+    billed = request_costs(rows, price)["cost_usd"]
+    return rows.with_columns(
+        pl.when(pl.col("input_tokens").is_not_null()).then(billed).alias("cost_usd")
     )
 
 
@@ -187,7 +200,8 @@ def store_collected(ctx: RunContext, parsed: list[dict]) -> None:
                     batch_id=p["batch_id"],
                     run_id=p["run_id"],
                     engine=ctx.answer_family,
-                    channel="batch",
+                    channel=Channel.BATCH.value,
+                    price=ctx.price,
                 )
                 for p, frame in zip(parsed, frames, strict=True)
             ]

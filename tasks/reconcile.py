@@ -146,8 +146,10 @@ def reconcile_task(ctx: RunContext, run_id: str) -> dict:
     price with no dedupe and no cache)."""
     store, price = ctx.store, ctx.price
     run = store.require_run(run_id)
-    billed = request_costs(store.billed_results(run_id), price)
-    store.set_result_costs(billed)
+    stored = store.billed_results(run_id)
+    billed = request_costs(stored, price)
+    # most were priced as parse stored them: only a price missing or different is written
+    store.set_result_costs(billed.filter(pl.col("cost_usd").ne_missing(stored["cost_usd"])))
     batches = store.run_batches(run_id)
     costs = cost_rows(billed, _provider_usage(batches), price, ctx.backend, run.get("estimate_usd"))
     store.replace_rows("costs", run_id, costs)

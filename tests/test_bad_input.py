@@ -111,6 +111,7 @@ CASES: list[tuple[str, list[Setup], str]] = [
     ("input of an unknown type", [_job('path = "in.csv"', 'path = "in.xlsx"'), _file("in.xlsx", "x")], r"in\.xlsx: unsupported input type '\.xlsx'; use csv, parquet, jsonl or duckdb:TABLE"),
     ("input lacks a column", [_file("in.csv", "id,text\n1,a\n")], r"in\.csv: missing column\(s\) \['body', 'channel', 'score'\]; the file has \['id', 'text'\]"),
     ("input with only a header", [_file("in.csv", "id,body,channel,score\n")], r"in\.csv: the input has no rows \(only a header\?\); nothing to enrich"),
+    ("eval set with only a header", [_job("[model]", '[qa]\neval_set = "eval.csv"\n[model]'), _file("eval.csv", "eval_id,body,label\n")], r"eval\.csv: the eval set has no rows \(only a header\?\); add gold rows or remove \[qa\] eval_set"),
     ("duplicate ids", [_file("in.csv", "id,body,channel,score\n7,a,c,1\n7,b,c,1\n")], r"in\.csv: 1 duplicate value\(s\) in id column 'id', e\.g\. \['7'\]; ids must be unique"),
     ("a CSV line with a field too many", [_file("in.csv", "id,body,channel,score,extra\n1,a,c,1,x\n2,hello, world,c,1,x\n")], r"in\.csv: cannot read as csv: .*found more fields than defined"),
     ("a CSV line with a field too many, before the id", [_file("in.csv", "body,id,channel,score\na,1,c,1\nhello, world,2,c,1\nhey, world,3,c,1\n")], r"in\.csv: cannot read as csv: found more fields than defined in 'Schema'$"),

@@ -183,13 +183,18 @@ class ResultsStore(Database):
         )
 
     def billed_results(self, run_id: str) -> pl.DataFrame:
-        """The results this run received that carry usage (what it is billed for)."""
+        """The results this run received that carry usage (what it is billed for), without
+        their answers (the widest columns; pricing reads counts and tokens)."""
         return self._query(
-            "SELECT * FROM results WHERE run_id = ? AND input_tokens IS NOT NULL", [run_id]
+            "SELECT * EXCLUDE (output, raw_text, error) FROM results "
+            "WHERE run_id = ? AND input_tokens IS NOT NULL",
+            [run_id],
         )
 
     def set_result_costs(self, priced: pl.DataFrame) -> None:
         """Store each request's price (custom_id, cost_usd) as billed."""
+        if priced.is_empty():
+            return
         with self._transaction() as con:
             con.register("priced", priced.select("custom_id", "cost_usd"))
             con.execute(

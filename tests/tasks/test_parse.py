@@ -7,7 +7,8 @@ import polars as pl
 import pytest
 
 from lowtide.jobspec import load_job
-from tasks.parse import answered_by, compile_schema, parse_one, parse_results
+from lowtide.pricing import Price
+from tasks.parse import _result_rows, answered_by, compile_schema, parse_one, parse_results
 from tests.conftest import SAMPLE_JOB
 
 MALFORMED = Path(__file__).resolve().parents[1] / "fixtures" / "malformed"
@@ -118,3 +119,30 @@ def test_an_answer_signed_by_the_emulator_is_the_emulators_whoever_asked() -> No
     parsed = pl.DataFrame({"emulated": [True, False, None]}, schema={"emulated": pl.Boolean})
     engines = parsed.select(answered_by(parsed, "openai:gpt-4o-mini").alias("e"))["e"].to_list()
     assert engines == ["emulator", "openai:gpt-4o-mini", "openai:gpt-4o-mini"]
+
+
+def test_batch_results_are_priced_as_stored_and_the_rest_left_to_reconcile(validator) -> None:
+    joined = pl.DataFrame(
+        {
+            "custom_id": ["a", "b"],
+            "status": ["answered", "provider_error"],
+            "raw_text": [GOOD, None],
+            "finish_reason": ["stop", None],
+            "error": [None, "HTTP 500 server_error: boom"],
+            "input_tokens": [1_000_000, None],
+            "cached_tokens": [400_000, None],
+            "output_tokens": [10_000, None],
+        }
+    )
+    parsed = parse_results(joined, load_job(SAMPLE_JOB).output_schema)
+    attempts = pl.DataFrame({"custom_id": ["a"], "attempts": [2]})
+    price = Price("openai", "m", "2026-01-01", 2.0, 1.0, 8.0, 0.5)
+    ids = {"batch_id": "b1", "run_id": "r1", "engine": "openai:m"}
+
+    batch = _result_rows(parsed, attempts, **ids, channel="batch", price=price)
+    # (600k fresh × $2 + 400k cached × $1 + 10k out × $8) / 1M, at half price
+    assert batch["cost_usd"].to_list() == [pytest.approx(0.84), None]  # no usage: no price
+    # a pool's rows are priced by GPU time, and without a price nothing is
+    pool = _result_rows(parsed, attempts, **ids, channel="pool", price=price)
+    assert pool["cost_usd"].to_list() == [None, None]
+    assert _result_rows(parsed, attempts, **ids, channel="batch")["cost_usd"].null_count() == 2
