@@ -180,32 +180,48 @@ class LinesStore(Database):
                 f"q.user_message FROM {members} WHERE q.message_file IS NOT NULL"
             ).to_arrow_table()
             con.register("from_files", from_files)
-            for name in pc.unique(from_files.column("message_file")).to_pylist():
-                wanted = pc.sum(pc.equal(from_files.column("message_file"), name)).as_py()
-                found = self._lines_from_file(con, name, sink)
-                self._require_lines(wanted - found)
+            names = pc.unique(from_files.column("message_file")).to_pylist()
+            wanted = {
+                n: pc.sum(pc.equal(from_files.column("message_file"), n)).as_py() for n in names
+            }
+            # each file's requests placed by row first, so that the list of them all is let go
+            # before any line is built (~150 MB at a million requests, at the night's peak)
+            placed = {n: self._placed(con, n) for n in names}
+            con.unregister("from_files")
+            del from_files
+            for name in names:
+                found = self._lines_from_file(con, name, placed.pop(name), sink)
+                self._require_lines(wanted[name] - found)
+
+    def _placed(self, con: duckdb.DuckDBPyConnection, name: str) -> pl.DataFrame | None:
+        """`from_files`' requests whose messages are in the file `name`, each with its row in
+        the file (`_at`), in that order (its ids alone are read for that); None when the file
+        is gone."""
+        path = self.messages_dir / name
+        if not path.is_file():
+            return None
+        return frame(
+            con,
+            "SELECT q.* EXCLUDE (message_file), f.file_row_number AS _at FROM from_files q "
+            "JOIN read_parquet(?, file_row_number = true) f USING (custom_id) "
+            "WHERE q.message_file = ? ORDER BY _at",
+            [str(path), name],
+        )
 
     def _lines_from_file(
         self,
         con: duckdb.DuckDBPyConnection,
         name: str,
+        placed: pl.DataFrame | None,
         sink: Callable[[pl.DataFrame], None],
     ) -> int:
-        """The lines of `from_files`' requests whose messages are in the file `name`, a slice of
-        it at a time; returns how many (fewer than asked for when the file lacks some). Each
-        request is first placed by its row in the file (its ids alone are read for that), so
-        each slice of messages meets only its own requests, not all of them again, and each
-        takes its message by position, not by a join on custom_id."""
-        path = self.messages_dir / name
-        if not path.is_file():
+        """The lines of the requests `placed` in the file `name` (`_placed`), a slice of it at a
+        time; returns how many (fewer than asked for when the file lacks some). Placed by their
+        rows, each slice of messages meets only its own requests, not all of them again, and
+        each takes its message by position, not by a join on custom_id."""
+        if placed is None:
             return 0
-        placed = frame(
-            con,
-            "SELECT q.*, f.file_row_number AS _at FROM from_files q JOIN "
-            "read_parquet(?, file_row_number = true) f USING (custom_id) "
-            "WHERE q.message_file = ? ORDER BY _at",
-            [str(path), name],
-        )
+        path = self.messages_dir / name
         at = placed["_at"]
         # the few templates, joined to each slice's requests in polars (repeated as views of
         # one copy) instead of by DuckDB for every line
