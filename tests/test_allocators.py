@@ -1,5 +1,5 @@
-"""Memory a query freed goes back to the system: DuckDB's at once, polars' once it has had a few
-seconds to be reused (lowtide/allocators.py).
+"""Memory a query freed goes back to the system once it has had a moment to be reused: DuckDB's
+after a second, with no more work of DuckDB's, polars' after a few seconds (lowtide/allocators.py).
 
 Each probe is a process of its own, started as a user's shell starts `lowtide run`: what
 counts is what importing lowtide sets before DuckDB and polars load. The figures are the
@@ -28,7 +28,15 @@ before = rss_mb()
 con.execute("CREATE TABLE t AS SELECT i, i::VARCHAR AS s FROM range(5000000) t(i)")
 con.execute("SELECT s, count(*) FROM t GROUP BY s ORDER BY 2 LIMIT 1").fetchall()
 con.execute("DROP TABLE t")
-print(peak_mb() - before, rss_mb() - before)
+peak = peak_mb() - before
+# its allocator's own thread gives the pages back past the 1 s they are kept for reuse, while
+# DuckDB idles: looked at every 0.1 s, a bounded number of times (a busy machine only makes
+# the wait longer)
+for _ in range(600):
+    if (rss_mb() - before) * 4 < peak:
+        break
+    time.sleep(0.1)
+print(peak, rss_mb() - before)
 """
 
 AFTER_A_BIG_FRAME = """
@@ -63,9 +71,10 @@ def _probe(code: str, **conf: str) -> str:
     return out.stdout
 
 
-def test_duckdb_gives_freed_memory_back_at_once() -> None:
+def test_duckdb_gives_freed_memory_back_while_it_idles() -> None:
     peak, kept = (int(v) for v in _probe(RSS + AFTER_A_BIG_QUERY).split())
-    # with jemalloc's own settings (pages kept for 10 s) all of it stayed
+    # with jemalloc's own settings (pages kept for 10 s, no thread to give them back) all of
+    # it stayed
     assert peak > 200, peak
     assert kept * 4 < peak, (peak, kept)
 
@@ -80,5 +89,9 @@ def test_polars_gives_freed_memory_back_once_it_has_had_time_to_reuse_it() -> No
 def test_a_user_s_own_allocator_settings_are_kept() -> None:
     assert _probe(PRINT_SETTINGS, DUCKDB_JE_MALLOC_CONF="narenas:2").split() == [
         "narenas:2",
+        "dirty_decay_ms:3000,muzzy_decay_ms:0",
+    ]
+    assert _probe(PRINT_SETTINGS).split() == [
+        "dirty_decay_ms:1000,muzzy_decay_ms:0,background_thread:true",
         "dirty_decay_ms:3000,muzzy_decay_ms:0",
     ]
