@@ -137,7 +137,7 @@ def _result_rows(
         "output_tokens",
         pl.col("attempts").fill_null(1),
         pl.lit(channel).alias("channel"),
-        pl.lit(None, pl.Float64).alias("cost_usd"),  # priced by reconcile, never left stale
+        pl.lit(None, pl.Float64).alias("cost_usd"),  # priced below or by reconcile
         answered_by(parsed, engine).alias("engine"),
     )
     if price is None or channel != Channel.BATCH.value:
