@@ -99,6 +99,20 @@ def count_within(text: str, limit: int, encoding: str = DEFAULT_ENCODING) -> int
     return n if n <= limit else None
 
 
+def count_clean(text: str, encoding: str = DEFAULT_ENCODING) -> int:
+    """The number of tokens in `text`, by the tokenizer's counter when it can (a text of one
+    slice, all of it UTF-8): no list of ids is built (over the long texts of a real input,
+    counting took four fifths of encoding's CPU)."""
+    if len(text) <= _SLICE_CHARS:
+        counter = getattr(getattr(get_encoding(encoding), "_backend", None), "count", None)
+        if counter is not None:
+            try:
+                return counter(text)
+            except UnicodeEncodeError:
+                pass
+    return count_tokens(text, encoding)
+
+
 def count_tokens(text: str, encoding: str = DEFAULT_ENCODING) -> int:
     """Number of tokens in `text` (0 for the empty string)."""
     if not text:

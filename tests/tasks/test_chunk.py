@@ -18,6 +18,8 @@ from tasks import chunk
 from tasks.chunk import chunk_units
 from tests.sql import scalar
 
+REPO = Path(__file__).resolve().parents[2]
+
 WORDS = st.lists(
     st.sampled_from(
         [
@@ -152,21 +154,64 @@ def test_awkward_texts_keep_pieces_in_order_and_counted(
 
 
 def test_prose_is_cut_between_words_and_tokenized_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    encoded: list[int] = []
-    real_encode = splitting.encode
+    counted: list[str] = []
+    encoded: list[str] = []
+    real_count, real_encode = splitting.count_clean, splitting.encode
 
-    def counting_encode(text: str, encoding: str = tokens.DEFAULT_ENCODING) -> list[int]:
-        encoded.append(len(text))
+    def counting(text: str, encoding: str = tokens.DEFAULT_ENCODING) -> int:
+        counted.append(text)
+        return real_count(text, encoding)
+
+    def encoding(text: str, encoding: str = tokens.DEFAULT_ENCODING) -> list[int]:
+        encoded.append(text)
         return real_encode(text, encoding)
 
-    monkeypatch.setattr(splitting, "encode", counting_encode)
+    monkeypatch.setattr(splitting, "count_clean", counting)
+    monkeypatch.setattr(splitting, "encode", encoding)
     monkeypatch.setattr(splitting, "count_tokens", lambda *a: pytest.fail("re-encoded a piece"))
     text = " ".join(f"word{i} and its neighbour, said the {i}th clause." for i in range(300))
     pieces = split_text(text, 100)
-    assert encoded == [len(text)]  # one pass over the whole text
+    assert "".join(counted) == text  # counted once, a segment at a time
+    # and only the segment each cut falls in is encoded, once per cut
+    assert len(encoded) == len(pieces) - 1
+    assert all(len(e) < 2 * splitting._SEGMENT_CHARS for e in encoded)
     assert len(pieces) > 10
     assert all(p.startswith(" ") and not p.startswith("  ") for p in pieces[1:])
     assert all(not p.endswith(" ") for p in pieces)
+
+
+@given(
+    words=ROUGH_WORDS,
+    joiner=st.sampled_from([" ", "", "\n", "  "]),
+    budget=st.integers(min_value=8, max_value=90),
+    segment=st.sampled_from([5, 40, 500]),
+    encoding=st.sampled_from(["o200k_base", "cl100k_base"]),
+)
+@settings(max_examples=200, deadline=None)
+def test_counting_in_segments_cuts_as_encoding_the_whole_text_does(
+    words: list[str], joiner: str, budget: int, segment: int, encoding: str
+) -> None:
+    # the segments are only a cheaper way to the same pieces: a text cut before keeps its
+    # pieces (and its requests' cached answers)
+    text = joiner.join(words)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(splitting, "_SEGMENT_CHARS", segment)
+        spans = splitting._segment_spans(text, budget, encoding)
+    if spans is not None:  # None: not cut cleanly throughout, left to the whole text's tokens
+        assert spans == splitting._encoded_spans(text, budget, 0, encoding)
+
+
+@pytest.mark.parametrize("budget", [300, 600, 1024])
+@pytest.mark.parametrize("segment", [40, 500])
+def test_support_messages_cut_in_segments_as_by_the_whole_text(budget: int, segment: int) -> None:
+    # real prose (newlines, signatures, accents), every message of the sample as one long text
+    messages = pl.read_csv(REPO / "data" / "support" / "messages.csv")["body"]
+    text = "\n\n".join(messages.head(400).to_list())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(splitting, "_SEGMENT_CHARS", segment)
+        spans = splitting._segment_spans(text, budget, "o200k_base")
+    assert spans is not None and len(spans) > 10
+    assert spans == splitting._encoded_spans(text, budget, 0, "o200k_base")
 
 
 def test_special_token_text_in_a_row_is_ordinary_text() -> None:
