@@ -13,6 +13,7 @@ import pytest
 from lowtide import prepared_lines
 from lowtide.backends.openai_batch import OpenAIBatchBackend
 from lowtide.emulator import Emulator, EmulatorConfig
+from lowtide.errors import LowtideError
 from lowtide.jobspec import load_job
 from lowtide.request_lines import JsonlFile
 from lowtide.store import Store
@@ -148,3 +149,86 @@ def test_a_prepared_file_is_uploaded_whole_even_when_the_sdk_sends_it_again(plan
     assert [rule["count"] for rule in rules] == [0]  # the first try was refused
     assert client.files.content(file_id).content == lines.path.read_bytes()
     assert _same_lines(lines, store.batch_lines(batch_id))
+
+
+def _read_all(work, counts: dict[str, int], order: list[str]) -> dict:
+    return {b: prepared_lines.read(work, b, counts[b]) for b in order}
+
+
+def test_a_streamed_pass_holds_each_batch_in_memory_till_its_send(planned) -> None:
+    """Asked in sending order, every batch's payload is built from one pass; from a messages
+    file (as every night's are) in memory, with no file written."""
+    store, batches, work = planned
+    from_file = store.messages_dir.is_dir() and any(store.messages_dir.iterdir())
+    counts = _counts(batches)
+    with prepared_lines.streamed(store, work, list(counts)):
+        for batch_id, n in counts.items():
+            lines = prepared_lines.read(work, batch_id, n)
+            assert lines is not None and len(lines) == n
+            assert _same_lines(lines, store.batch_lines(batch_id))
+            if from_file:
+                assert not isinstance(lines, JsonlFile)
+            prepared_lines.discard(work, batch_id)
+    if from_file:
+        assert not (work / "lines").exists()
+
+
+@pytest.mark.parametrize("held_most", [0, 1 << 20])
+def test_batches_met_before_their_send_wait_for_it(planned, monkeypatch, held_most) -> None:
+    """Asked last batch first, the pass meets the others whole before it: they wait in memory
+    while that holds little, in their files past it, each with exactly its lines."""
+    store, batches, work = planned
+    monkeypatch.setattr(prepared_lines, "_HELD_MOST", held_most)
+    counts = _counts(batches)
+    order = list(reversed(counts))
+    with prepared_lines.streamed(store, work, list(counts)):
+        got = _read_all(work, counts, order)
+    for batch_id in order:
+        assert got[batch_id] is not None, f"{batch_id}: no prepared lines"
+        assert _same_lines(got[batch_id], store.batch_lines(batch_id))
+    in_files = [b for b in order if isinstance(got[b], JsonlFile)]
+    if held_most:
+        assert not in_files and not (work / "lines").exists()
+    else:
+        assert in_files == order[1:]  # all but the one asked for first
+        assert not [p for p in (work / "lines").iterdir() if p.name.endswith(".partial")]
+
+
+def test_a_pass_closed_early_leaves_no_unfinished_file_and_the_store_builds_the_rest(
+    planned, monkeypatch
+) -> None:
+    """A run that stops sending (a batch refused, Ctrl-C) closes its pass: a batch met in part
+    leaves no file behind, and its send builds the lines from the store."""
+    from lowtide.store import lines as store_lines
+
+    store, batches, work = planned
+    monkeypatch.setattr(prepared_lines, "_HELD_MOST", 0)
+    monkeypatch.setattr(store_lines, "_LINES_PER_PART", 2)  # batches of 3 span parts
+    counts = _counts(batches)
+    first = next(iter(counts))
+    with prepared_lines.streamed(store, work, list(counts)):
+        assert prepared_lines.read(work, first, counts[first]) is not None
+        assert any(p.name.endswith(".partial") for p in (work / "lines").iterdir())
+    assert not [p for p in (work / "lines").iterdir() if p.name.endswith(".partial")]
+    for batch_id in list(counts)[1:]:
+        lines = prepared_lines.read(work, batch_id, counts[batch_id])
+        assert lines is None or _same_lines(lines, store.batch_lines(batch_id))
+    assert any(prepared_lines.read(work, b, n) is None for b, n in counts.items())
+
+
+def test_a_missing_message_is_refused_before_any_line_is_handed_over(tmp_path) -> None:
+    store, job = Store(tmp_path / "state.duckdb"), load_job(SAMPLE_JOB)
+    path = tmp_path / "to_send.parquet"
+    _requests(USERS).with_columns(pl.lit(False).alias("urgent")).write_parquet(path)
+    batches = _manifest(
+        job, store, sized_requests(job, path).drop("urgent"), messages=path, max_requests=3
+    )
+    kept = next(store.messages_dir.iterdir())
+    pl.read_parquet(kept).slice(1).write_parquet(kept)  # the file lacks its first message
+    counts = _counts(batches)
+    work = tmp_path / "work"
+    with (
+        pytest.raises(LowtideError, match=r"1 request\(s\) to send have no message"),
+        prepared_lines.streamed(store, work, list(counts)),
+    ):
+        prepared_lines.read(work, *next(iter(counts.items())))
