@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import re
 import threading
 from collections.abc import Iterator
@@ -85,6 +86,8 @@ class _Pass:
         self._held_bytes = 0
         self._files: dict[str, BinaryIO] = {}  # batches written to a file as they come
         self._lost: set[str] = set()  # their file could not be written: left to the store
+        # each built payload until its batch is sent (with the memory file holding it)
+        self._payloads: dict[str, tuple[BinaryIO | None, JsonlLines]] = {}
         self._lock = threading.Lock()
         self.ended = False
 
@@ -100,12 +103,12 @@ class _Pass:
                 and self._met[batch_id] < self.counts[batch_id]
             ):
                 self._read_on(asked=batch_id)
+            if batch_id in self._payloads:  # asked again (a retried send)
+                return self._payloads[batch_id][1]
             if batch_id not in self._held or self._met[batch_id] != self.counts[batch_id]:
                 return None
-            payload = io.BytesIO()
-            for piece in self._let_go(batch_id):
-                _write(payload, piece)
-            return JsonlLines(payload.getvalue(), self.counts[batch_id])
+            self._payloads[batch_id] = _payload(self._let_go(batch_id), self.counts[batch_id])
+            return self._payloads[batch_id][1]
 
     def drain(self) -> None:
         """Read to the end, every batch to its file."""
@@ -116,6 +119,9 @@ class _Pass:
     def forget(self, batch_id: str) -> None:
         with self._lock:
             self._let_go(batch_id)
+            file, _ = self._payloads.pop(batch_id, (None, None))
+            if file is not None:
+                file.close()
 
     def close(self) -> None:
         """Let go of everything held; a file left unfinished is removed."""
@@ -124,6 +130,10 @@ class _Pass:
             self.ended = True
             self._held.clear()
             self._held_bytes = 0
+            for file, _ in self._payloads.values():
+                if file is not None:
+                    file.close()
+            self._payloads.clear()
             for batch_id, file in self._files.items():
                 file.close()
                 _unfinished(self.work_dir, batch_id).unlink(missing_ok=True)
@@ -179,6 +189,32 @@ class _Pass:
             if batch_id in self._files:
                 self._files.pop(batch_id).close()
             _unfinished(self.work_dir, batch_id).unlink(missing_ok=True)
+
+
+_OPEN_AGAIN = Path("/proc/self/fd")
+"""Where Linux lets a process open one of its files again, at its start (an upload reads the
+payload through a file of its own)."""
+
+
+def _payload(pieces: list[pl.DataFrame], count: int) -> tuple[BinaryIO | None, JsonlLines]:
+    """The lines of `pieces` as one payload: in a file in memory where the system has them
+    (Linux), written there by polars straight from its buffers and streamed by the upload a
+    piece at a time. Held as bytes, a 1M-row night's payloads were copied twice more, into
+    the bytes and by the HTTP library joining the body: ~1.4 million page faults."""
+    if hasattr(os, "memfd_create") and _OPEN_AGAIN.is_dir():
+        file = open(os.memfd_create("lowtide-lines", os.MFD_CLOEXEC), "wb")  # noqa: SIM115
+        try:
+            for piece in pieces:
+                _write(file, piece)
+            file.flush()
+            return file, JsonlFile(_OPEN_AGAIN / str(file.fileno()), count)
+        except BaseException:
+            file.close()
+            raise
+    payload = io.BytesIO()
+    for piece in pieces:
+        _write(payload, piece)
+    return None, JsonlLines(payload.getvalue(), count)
 
 
 def _size(lines: pl.DataFrame) -> int:

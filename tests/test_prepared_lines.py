@@ -151,6 +151,11 @@ def test_a_prepared_file_is_uploaded_whole_even_when_the_sdk_sends_it_again(plan
     assert _same_lines(lines, store.batch_lines(batch_id))
 
 
+def _in_files(lines, work) -> bool:
+    """Whether prepared lines wait in a file of the work directory (not in memory)."""
+    return isinstance(lines, JsonlFile) and work / "lines" in lines.path.parents
+
+
 def _read_all(work, counts: dict[str, int], order: list[str]) -> dict:
     return {b: prepared_lines.read(work, b, counts[b]) for b in order}
 
@@ -167,7 +172,7 @@ def test_a_streamed_pass_holds_each_batch_in_memory_till_its_send(planned) -> No
             assert lines is not None and len(lines) == n
             assert _same_lines(lines, store.batch_lines(batch_id))
             if from_file:
-                assert not isinstance(lines, JsonlFile)
+                assert not _in_files(lines, work)
             prepared_lines.discard(work, batch_id)
     if from_file:
         assert not (work / "lines").exists()
@@ -183,10 +188,10 @@ def test_batches_met_before_their_send_wait_for_it(planned, monkeypatch, held_mo
     order = list(reversed(counts))
     with prepared_lines.streamed(store, work, list(counts)):
         got = _read_all(work, counts, order)
-    for batch_id in order:
-        assert got[batch_id] is not None, f"{batch_id}: no prepared lines"
-        assert _same_lines(got[batch_id], store.batch_lines(batch_id))
-    in_files = [b for b in order if isinstance(got[b], JsonlFile)]
+        for batch_id in order:
+            assert got[batch_id] is not None, f"{batch_id}: no prepared lines"
+            assert _same_lines(got[batch_id], store.batch_lines(batch_id))
+    in_files = [b for b in order if _in_files(got[b], work)]
     if held_most:
         assert not in_files and not (work / "lines").exists()
     else:
@@ -232,3 +237,23 @@ def test_a_missing_message_is_refused_before_any_line_is_handed_over(tmp_path) -
         prepared_lines.streamed(store, work, list(counts)),
     ):
         prepared_lines.read(work, *next(iter(counts.items())))
+
+
+def test_a_payload_held_in_memory_is_uploaded_whole_even_when_sent_again(planned, emu) -> None:
+    """The payload built for a send is streamed from memory, from its start again on a retry,
+    and a send asked again (a retried task) gets the same payload."""
+    store, batches, work = planned
+    counts = _counts(batches)
+    batch_id, n = next(iter(counts.items()))
+    set_faults(emu, "500:POST /v1/files:1")
+    client = openai_client(emu, max_retries=2)
+    with prepared_lines.streamed(store, work, list(counts)):
+        lines = prepared_lines.read(work, batch_id, n)
+        assert lines is not None and not _in_files(lines, work)
+        file_id = OpenAIBatchBackend(client).upload(batch_id, lines)
+        assert prepared_lines.read(work, batch_id, n) is lines
+        payload = lines.jsonl()
+    rules = admin(emu, "GET", "/_emulator/faults")["rules"]
+    assert [rule["count"] for rule in rules] == [0]  # the first try was refused
+    assert client.files.content(file_id).content == payload
+    assert sorted(payload.decode().splitlines()) == sorted(store.batch_lines(batch_id))
