@@ -20,7 +20,7 @@ from typing import Any, TypedDict
 
 from prefect.runtime import flow_run
 
-from lowtide import artifacts, prepared_lines, progress
+from lowtide import artifacts, progress
 from lowtide.context import RunContext, run_context
 from lowtide.crashpoints import crash_point
 from lowtide.input_identity import input_digest, input_fingerprint, spec_digest
@@ -46,7 +46,7 @@ from tasks.realtime import realtime_task
 from tasks.reconcile import reconcile_task
 from tasks.retry import retry_round_task
 from tasks.stream import stream_task
-from tasks.submit import submit_task
+from tasks.submit import prepare_lines_task, submit_task
 
 
 def _run_name() -> str:
@@ -186,12 +186,11 @@ def send_pending(ctx: RunContext, run_id: str) -> None:
         sent = shards
     else:
         sent = store.unsent_provider_batches(run_id)
-        # every batch's lines from one pass over the requests, not one each, built as far as
-        # each send needs them
-        with prepared_lines.streamed(store, ctx.work_dir(run_id), sent):
-            for i, batch_id in enumerate(sent):
-                progress.report("submit", i, len(sent))
-                submit_task(ctx, batch_id, run_id)
+        if len(sent) > 1:  # every batch's lines from one pass over the requests, not one each
+            prepare_lines_task(ctx, run_id, sent)
+        for i, batch_id in enumerate(sent):
+            progress.report("submit", i, len(sent))
+            submit_task(ctx, batch_id, run_id)
     if pending_realtime or sent:
         store.fold_reasks()
         store.mark_submitted(run_id)

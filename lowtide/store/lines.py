@@ -8,7 +8,7 @@ in `requests.user_message` (files from before migration 17), or in the messages 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import duckdb
@@ -82,11 +82,6 @@ _WITH_MESSAGE = (
 
 log = logging.getLogger(__name__)
 
-
-def _height(frame: pl.DataFrame | None) -> int:
-    return 0 if frame is None else frame.height
-
-
 _NO_FILE_NEEDED = _WITH_MESSAGE.format(messages=message_files.NO_MESSAGES)
 """The messages join for requests that need no file (`LINE_SQL` still names `m.user`)."""
 
@@ -157,40 +152,29 @@ class LinesStore(Database):
         return RequestLines(rows.column("line"))
 
     def each_batch_lines(self, batch_ids: list[str], sink: Callable[[pl.DataFrame], None]) -> None:
-        """`batch_line_parts`, each part handed to `sink`."""
-        for part in self.batch_line_parts(batch_ids):
-            sink(part)
-
-    def batch_line_parts(self, batch_ids: list[str]) -> Iterator[pl.DataFrame]:
-        """The lines of every batch in `batch_ids`, as frames of (batch_id, custom_id, line) in
-        no particular order, each line as polars built it (a JSONL writer writes them from
-        there: handing them over as Arrow's classic strings copied every line once more, ~1.8
-        GB of fresh memory at a million requests). One pass for them all, where `batch_lines`
-        joins once per batch (each join reads every message: ~1.7 s of CPU per 50,000-line
-        batch at a million requests).
-
-        The state file is read before the first part comes, and let go then: the parts built
-        from messages files come while the caller may send (a send must not hold the file
-        other processes wait for). Every request's message is found before then too, so a
-        missing one is refused before anything is handed over. The requests whose messages
-        are in a file meet it a slice of the file at a time: joined whole, DuckDB built its
-        hash table on the ~1 GB of messages and spilled it to disk (12 s of CPU, not 5)."""
+        """The lines of every batch in `batch_ids`, handed to `sink` as frames of (batch_id,
+        custom_id, line) in no particular order, each line as polars built it (a JSONL writer
+        writes them from there: handing them over as Arrow's classic strings copied every line
+        once more, ~1.8 GB of fresh memory at a million requests). One pass for
+        them all, where `batch_lines` joins once per batch (each join reads every message:
+        ~1.7 s of CPU per 50,000-line batch at a million requests). The requests whose
+        messages are in a file meet it a slice of the file at a time: joined whole, DuckDB
+        built its hash table on the ~1 GB of messages and spilled it to disk (12 s of CPU, not
+        5)."""
         members = "batch_requests br JOIN wanted USING (batch_id) JOIN requests q USING (custom_id)"
         with self._connect() as con:
             con.register(
                 "wanted", pl.DataFrame({"batch_id": batch_ids}, schema={"batch_id": pl.String})
             )
-            # lines that need no file: sent whole (re-asks), or their message stored in the
-            # table; few (a night's re-asks), so held until the file is let go
+            # lines that need no file: sent whole (re-asks), or their message stored in the table
             reader = con.sql(
                 f"SELECT br.batch_id, q.custom_id, {LINE_SQL} AS line FROM {members} "
                 f"LEFT JOIN request_templates t USING (template_id){_NO_FILE_NEEDED} "
                 "WHERE q.message_file IS NULL"
             ).to_arrow_reader(_LINES_PER_PART)
-            whole: list[pl.DataFrame] = []
             for part in reader:
                 self._require_lines(part.column("line").null_count)
-                whole.append(pl.DataFrame(pl.from_arrow(part)))
+                sink(pl.DataFrame(pl.from_arrow(part)))
             from_files = con.sql(
                 "SELECT br.batch_id, q.custom_id, q.message_file, q.template_id, q.line, "
                 f"q.user_message FROM {members} WHERE q.message_file IS NOT NULL"
@@ -205,17 +189,8 @@ class LinesStore(Database):
             placed = {n: self._placed(con, n) for n in names}
             con.unregister("from_files")
             del from_files
-            # the few templates, joined to each slice's requests in polars (repeated as views
-            # of one copy) instead of by DuckDB for every line
-            templates = frame(con, "SELECT template_id, head, mid, tail FROM request_templates")
-        for name in names:
-            self._require_lines(wanted[name] - _height(placed[name]))
-        yield from whole
-        del whole
-        # DuckDB only escapes the rare texts polars escapes otherwise: a connection of its own
-        with duckdb.connect() as escaper:
             for name in names:
-                found = yield from self._lines_from_file(escaper, name, placed.pop(name), templates)
+                found = self._lines_from_file(con, name, placed.pop(name), sink)
                 self._require_lines(wanted[name] - found)
 
     def _placed(self, con: duckdb.DuckDBPyConnection, name: str) -> pl.DataFrame | None:
@@ -235,11 +210,11 @@ class LinesStore(Database):
 
     def _lines_from_file(
         self,
-        escaper: duckdb.DuckDBPyConnection,
+        con: duckdb.DuckDBPyConnection,
         name: str,
         placed: pl.DataFrame | None,
-        templates: pl.DataFrame,
-    ) -> Generator[pl.DataFrame, None, int]:
+        sink: Callable[[pl.DataFrame], None],
+    ) -> int:
         """The lines of the requests `placed` in the file `name` (`_placed`), a slice of it at a
         time; returns how many (fewer than asked for when the file lacks some). Placed by their
         rows, each slice of messages meets only its own requests, not all of them again, and
@@ -248,6 +223,9 @@ class LinesStore(Database):
             return 0
         path = self.messages_dir / name
         at = placed["_at"]
+        # the few templates, joined to each slice's requests in polars (repeated as views of
+        # one copy) instead of by DuckDB for every line
+        templates = frame(con, "SELECT template_id, head, mid, tail FROM request_templates")
         found, offset = 0, 0
         for part in file_slices(path, _LINES_PER_PART, ["user"]):  # rows are placed by `_at`
             lo, hi = (int(at.search_sorted(v)) for v in (offset, offset + part.height))
@@ -259,12 +237,12 @@ class LinesStore(Database):
             message = part["user"].gather(q["_at"] - offset)
             users = pl.select(pl.coalesce(q["user_message"], message)).to_series()
             offset += part.height
-            lines = q.with_columns(json_strings(escaper, users).alias("_escaped")).select(
+            lines = q.with_columns(json_strings(con, users).alias("_escaped")).select(
                 "batch_id", "custom_id", line_expr("_escaped").alias("line")
             )
             self._require_lines(lines["line"].null_count())
             found += lines.height
-            yield lines
+            sink(lines)
         return found
 
     def request_lines(self, custom_ids: list[str]) -> pl.DataFrame:
