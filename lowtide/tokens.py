@@ -7,7 +7,9 @@ Counts are estimates for non-OpenAI models; provider-reported usage is the truth
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
+from typing import Any
 
 DEFAULT_ENCODING = "o200k_base"
 ENCODINGS = (
@@ -80,21 +82,23 @@ def decode(ids: list[int], encoding: str = DEFAULT_ENCODING) -> str:
     return get_encoding(encoding).decode(ids)
 
 
+def _compiled(encoding: str, name: str) -> Callable[..., Any] | None:
+    """bpe-openai's compiled tokenizer's method `name` (pinned); None where a version lacks it
+    (the callers count the long way then)."""
+    return getattr(getattr(get_encoding(encoding), "_backend", None), name, None)
+
+
 def count_within(text: str, limit: int, encoding: str = DEFAULT_ENCODING) -> int | None:
     """The number of tokens in `text` when it is at most `limit`, else None. The tokenizer's
     own counter builds no list of ids: over the long texts of a real input it took two thirds
     of the CPU of counting `encode`'s ids (a test keeps the two counts equal). A text of
     several slices, or with characters UTF-8 cannot hold, is counted the long way."""
-    if len(text) <= _SLICE_CHARS:
-        # bpe-openai's compiled tokenizer (pinned); the long way if a version lacks it
-        counter = getattr(
-            getattr(get_encoding(encoding), "_backend", None), "count_till_limit", None
-        )
-        if counter is not None:
-            try:
-                return counter(text, limit)
-            except UnicodeEncodeError:
-                pass
+    counter = _compiled(encoding, "count_till_limit") if len(text) <= _SLICE_CHARS else None
+    if counter is not None:
+        try:
+            return counter(text, limit)
+        except UnicodeEncodeError:
+            pass
     n = count_tokens(text, encoding)
     return n if n <= limit else None
 
@@ -103,13 +107,12 @@ def count_clean(text: str, encoding: str = DEFAULT_ENCODING) -> int:
     """The number of tokens in `text`, by the tokenizer's counter when it can (a text of one
     slice, all of it UTF-8): no list of ids is built (over the long texts of a real input,
     counting took four fifths of encoding's CPU)."""
-    if len(text) <= _SLICE_CHARS:
-        counter = getattr(getattr(get_encoding(encoding), "_backend", None), "count", None)
-        if counter is not None:
-            try:
-                return counter(text)
-            except UnicodeEncodeError:
-                pass
+    counter = _compiled(encoding, "count") if len(text) <= _SLICE_CHARS else None
+    if counter is not None:
+        try:
+            return counter(text)
+        except UnicodeEncodeError:
+            pass
     return count_tokens(text, encoding)
 
 
