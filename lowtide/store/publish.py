@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import uuid
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from lowtide.store.runs import RunsStore
 from lowtide.store.shown_runs import shown_run_sql, views_runs
 from lowtide.store.sources import MEMBERS, content_table, source_table, source_view_sql
 from lowtide.store.state_copy import copy_at_checkpoint
+from lowtide.uncached_copy import copy_uncached
 from lowtide.vocabulary import ANSWERED
 
 PIPELINE_TABLES = (
@@ -312,7 +312,7 @@ def _previous(db_path: Path, tmp: Path) -> bool:
     there is none, or it has a write-ahead log beside it (someone wrote to it: start afresh)."""
     if not db_path.is_file() or _wal(db_path).exists():
         return False
-    shutil.copyfile(db_path, tmp)
+    copy_uncached(db_path, tmp)
     return True
 
 

@@ -1,7 +1,8 @@
 """A copy of the state file taken with a plain file copy: no row read, nothing compressed again.
 
 Publishing by copying every table through DuckDB read, decompressed and compressed again every
-text (~40 s of CPU at a million rows); copying the file itself costs the disk's time only. The
+text (~40 s of CPU at a million rows); copying the file itself costs the disk's time only
+(written past the page cache: `uncached_copy`). The
 copy must be one state of the file: taken right after a checkpoint (so the file holds every
 committed change), and checked unchanged around the copy. The copy carries the file's free
 blocks as they are (rows since deleted or replaced, tables dropped): what the published file
@@ -14,9 +15,10 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from shutil import copyfile
 
 import duckdb
+
+from lowtide.uncached_copy import copy_uncached
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +73,7 @@ def copy_at_checkpoint(con: duckdb.DuckDBPyConnection, state: Path, to: Path) ->
         before = _unlogged_stamp(state)
         if before is None:
             return False
-        copyfile(state, to)
+        copy_uncached(state, to)
         return _unlogged_stamp(state) == before and _headers(to) == before[2]
     except OSError as e:
         log.info("%s: not copied (%s)", state, e)

@@ -21,7 +21,7 @@ def _written_during_every_copy(
     """Another thread commits while each copy of the state file is taken (and, `checkpointed`,
     checkpoints it too, emptying the log): no copy can be trusted to be one state of it, so
     publishing falls back to patching the previous file."""
-    real_copy = state_copy.copyfile
+    real_copy = state_copy.copy_uncached
     commits = itertools.count(1)
 
     def copy_while_another_thread_commits(src: Path, dst: Path) -> None:
@@ -31,7 +31,7 @@ def _written_during_every_copy(
             with store._connect() as con:
                 con.execute("CHECKPOINT")
 
-    monkeypatch.setattr(state_copy, "copyfile", copy_while_another_thread_commits)
+    monkeypatch.setattr(state_copy, "copy_uncached", copy_while_another_thread_commits)
 
 
 def _pair(tmp_path: Path) -> duckdb.DuckDBPyConnection:
@@ -316,7 +316,7 @@ def test_a_copy_that_fails_falls_back_to_writing_the_file_whole(
         Path(dst).write_bytes(b"half a copy")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(state_copy, "copyfile", disk_full)
+    monkeypatch.setattr(state_copy, "copy_uncached", disk_full)
     db = store.publish(tmp_path / "pub.duckdb")
     assert any(r.getMessage().endswith(": written whole") for r in caplog.records)
     assert not list(tmp_path.glob(".pub.duckdb.*"))
