@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, BinaryIO
 import polars as pl
 
 from lowtide.request_lines import JsonlFile
+from lowtide.uncached_files import open_uncached_writer
 
 if TYPE_CHECKING:
     from lowtide.store import Store
@@ -59,7 +60,7 @@ def prepare(store: Store, work_dir: Path, batch_ids: list[str]) -> None:
 
     def write(batch_id: str, lines: pl.DataFrame) -> None:
         if batch_id not in files:
-            files[batch_id] = _unfinished(work_dir, batch_id).open("wb")
+            files[batch_id] = open_uncached_writer(_unfinished(work_dir, batch_id))
             counts[batch_id] = 0
         # JSON lines hold no raw newline: written unquoted, each ended by a newline, straight
         # from polars' buffers (no copy of the lines: at a million requests each copy is ~1.8

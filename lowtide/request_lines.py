@@ -20,6 +20,8 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from lowtide.uncached_files import open_uncached_reader
+
 
 class RequestLines(Sequence[str]):
     """The lines of one batch, in order, each without its newline."""
@@ -137,8 +139,9 @@ class JsonlFile(JsonlLines):
         self._lines = None
 
     def open(self) -> BinaryIO:
-        """The payload as a binary file, to be sent as it is."""
-        return self.path.open("rb")
+        """The payload as a binary file, to be sent as it is (read past the page cache: it is
+        read once, `uncached_files`)."""
+        return open_uncached_reader(self.path)
 
     def jsonl(self) -> bytes:
         return self.path.read_bytes()

@@ -25,7 +25,7 @@ from lowtide.store.runs import RunsStore
 from lowtide.store.shown_runs import shown_run_sql, views_runs
 from lowtide.store.sources import MEMBERS, content_table, source_table, source_view_sql
 from lowtide.store.state_copy import copy_at_checkpoint
-from lowtide.uncached_copy import copy_uncached
+from lowtide.uncached_files import copy_uncached
 from lowtide.vocabulary import ANSWERED
 
 PIPELINE_TABLES = (

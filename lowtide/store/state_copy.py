@@ -2,7 +2,7 @@
 
 Publishing by copying every table through DuckDB read, decompressed and compressed again every
 text (~40 s of CPU at a million rows); copying the file itself costs the disk's time only
-(written past the page cache: `uncached_copy`). The
+(written past the page cache: `uncached_files`). The
 copy must be one state of the file: taken right after a checkpoint (so the file holds every
 committed change), and checked unchanged around the copy. The copy carries the file's free
 blocks as they are (rows since deleted or replaced, tables dropped): what the published file
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import duckdb
 
-from lowtide.uncached_copy import copy_uncached
+from lowtide.uncached_files import copy_uncached
 
 log = logging.getLogger(__name__)
 
