@@ -16,6 +16,7 @@ is not a whole block is written through the cache. Where the filesystem refuses 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import io
@@ -94,19 +95,32 @@ def copy_uncached(source: Path, to: Path) -> None:
     if out is None:
         shutil.copyfile(source, to)
         return
+    buffer = mmap.mmap(-1, CHUNK)
     try:
-        output = _DirectOutput(out)
-        with source.open("rb") as src, mmap.mmap(-1, CHUNK) as buffer:
-            view = memoryview(buffer)
-            try:
-                offset = 0
-                while read := os.preadv(src.fileno(), [buffer], offset):
-                    output.write(view[:read], offset)
-                    offset += read
-            finally:
-                view.release()
+        with source.open("rb") as src:
+            _copy_into(src.fileno(), _DirectOutput(out), buffer)
     finally:
         os.close(out)
+        _unmap(buffer)
+
+
+def _copy_into(src: int, output: _DirectOutput, buffer: mmap.mmap) -> None:
+    view = memoryview(buffer)
+    try:
+        offset = 0
+        while read := os.preadv(src, [buffer], offset):
+            output.write(view[:read], offset)
+            offset += read
+    finally:
+        view.release()
+
+
+def _unmap(buffer: mmap.mmap) -> None:
+    """Close a mapping, or leave it to be unmapped with its last view: a failed write (a full
+    disk) leaves views of it in the traceback, and closing it then would raise BufferError in
+    place of the error that says what went wrong."""
+    with contextlib.suppress(BufferError):
+        buffer.close()
 
 
 class UncachedWriter(io.RawIOBase):
@@ -150,7 +164,7 @@ class UncachedWriter(io.RawIOBase):
                 self._flush()
         finally:
             self._view.release()
-            self._buffer.close()
+            _unmap(self._buffer)
             os.close(self._output.fd)
             super().close()
 
@@ -239,7 +253,7 @@ class UncachedReader(io.RawIOBase):
             return
         try:
             self._view.release()
-            self._buffer.close()
+            _unmap(self._buffer)
         finally:
             os.close(self._fd)
             super().close()

@@ -7,6 +7,8 @@ import errno
 import fcntl
 import mmap
 import os
+import resource
+import signal
 from pathlib import Path
 
 import polars as pl
@@ -211,3 +213,25 @@ def test_without_direct_io_every_file_is_written_and_read_the_plain_way(
     assert written.read_bytes() == data
     with open_uncached_reader(written) as f:
         assert f.read() == data
+
+
+def test_a_write_that_fails_raises_its_own_error(
+    tmp_path: Path, small_chunks: None, small_streams: None
+) -> None:
+    """Not a BufferError from closing the buffer the failed write still had views of."""
+    source = tmp_path / "state.duckdb"
+    source.write_bytes(os.urandom(4 * SMALL_CHUNK))
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (SMALL_CHUNK + 4096, limit[1]))
+    try:
+        with pytest.raises(OSError) as copying:
+            copy_uncached(source, tmp_path / "copy.duckdb")
+        # the close writes what the buffer holds last
+        with pytest.raises(OSError) as writing, open_uncached_writer(tmp_path / "out") as f:
+            f.write(source.read_bytes())
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, previous)
+    assert copying.value.errno == errno.EFBIG
+    assert writing.value.errno == errno.EFBIG
