@@ -39,11 +39,16 @@ block size of the disks we meet); a mapping is aligned to a page."""
 
 _FLAGS_NEW = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
 
+_DIRECT = getattr(os, "O_DIRECT", 0)
+"""Linux's flag; 0 where the platform has none (macOS): every file then takes the plain way."""
+
 
 def _open_direct(path: Path, flags: int) -> int | None:
     """`path` opened with O_DIRECT added; None where its filesystem has no O_DIRECT."""
+    if not _DIRECT:
+        return None
     try:
-        return os.open(path, flags | os.O_DIRECT, 0o666)
+        return os.open(path, flags | _DIRECT, 0o666)
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
@@ -52,7 +57,7 @@ def _open_direct(path: Path, flags: int) -> int | None:
 
 def _cached_from_now(fd: int) -> None:
     """Take O_DIRECT off `fd`: what is written next goes through the page cache."""
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_DIRECT)
 
 
 def _write_all(fd: int, data: memoryview, offset: int) -> None:
