@@ -1,13 +1,12 @@
 """A copy of the state file taken with a plain file copy: no row read, nothing compressed again.
 
 Publishing by copying every table through DuckDB read, decompressed and compressed again every
-text (~40 s of CPU at a million rows); copying the file itself costs the disk's time only
-(written past the page cache: `uncached_files`). The
-copy must be one state of the file: taken right after a checkpoint (so the file holds every
-committed change), and checked unchanged around the copy. The copy carries the file's free
-blocks as they are (rows since deleted or replaced, tables dropped): what the published file
-showed before, or what only the state keeps (chunk cut positions); never a secret, which
-never reaches the state file.
+text (~40 s of CPU at a million rows); copying the file itself costs the disk's time only, and
+the copy is written past the page cache (`uncached_files`). The copy must be one state of the
+file: taken right after a checkpoint (so the file holds every committed change), and checked
+unchanged around the copy. The copy carries the file's free blocks as they are (rows since
+deleted or replaced, tables dropped): what the published file showed before, or what only the
+state keeps (chunk cut positions); never a secret, which never reaches the state file.
 """
 
 from __future__ import annotations
