@@ -1,4 +1,5 @@
-"""The copy publishing makes of the state file: every byte as it was, kept out of the page cache."""
+"""Files written and read past the page cache (the published copy of the state file, the request
+files): every byte as it was, none of it left in the cache."""
 
 from __future__ import annotations
 
@@ -81,8 +82,8 @@ def _resident_pages(path: Path) -> tuple[int, int]:
     return sum(v & 1 for v in vector), pages
 
 
-def test_the_copy_is_not_left_in_the_page_cache(tmp_path: Path) -> None:
-    """The point of the module: a buffered copy would leave all of it cached."""
+def test_neither_the_copy_nor_a_written_file_is_left_in_the_page_cache(tmp_path: Path) -> None:
+    """The point of the module: buffered, every page of both would be left cached."""
     probe = tmp_path / "probe"
     if not DIRECT:
         pytest.skip("this platform has no O_DIRECT")
@@ -96,9 +97,14 @@ def test_the_copy_is_not_left_in_the_page_cache(tmp_path: Path) -> None:
     source.write_bytes(os.urandom(4 << 20))
     to = tmp_path / "copy.duckdb"
     copy_uncached(source, to)
-    cached, pages = _resident_pages(to)
-    assert pages == 1024
-    assert cached <= 1, f"{cached} of {pages} pages of the copy are in the page cache"
+    written = tmp_path / "batch.partial"
+    with open_uncached_writer(written) as f:
+        for _ in range(4):
+            f.write(os.urandom(1 << 20))
+    for path in (to, written):
+        cached, pages = _resident_pages(path)
+        assert pages == 1024
+        assert cached <= 1, f"{cached} of {pages} pages of {path.name} are in the page cache"
 
 
 @pytest.fixture
