@@ -15,61 +15,25 @@ from lowtide.crashpoints import crash_point
 from lowtide.errors import PublishError
 from lowtide.orchestration import task
 from lowtide.runlog import stage_log
-from lowtide.vocabulary import ANSWERED, RunStatus
+from lowtide.vocabulary import RunStatus
 
-
-def row_outcomes(outcomes: pl.DataFrame) -> pl.DataFrame:
-    """(source_id, kind, succeeded, unit_id, reason, detail) per source row."""
-    units = outcomes.with_columns(
-        pl.col("outcome").is_in(ANSWERED).fill_null(False).alias("ok"),
-        pl.when(pl.col("custom_id") == "")
-        .then(pl.lit("empty_text"))
-        .otherwise(pl.col("outcome").fill_null("missing"))
-        .alias("reason"),
-        pl.when(pl.col("custom_id") == "")
-        .then(pl.lit("the row's text is empty or only whitespace; nothing to ask"))
-        .otherwise(pl.col("error"))
-        .alias("detail"),
-    )
-    first_bad = (
-        units.filter(~pl.col("ok"))
-        .sort("chunk_index")
-        .group_by("source_id", "kind", maintain_order=True)
-        .first()
-        .select("source_id", "kind", "unit_id", "reason", "detail")
-    )
-    rows = units.group_by("source_id", "kind", maintain_order=True).agg(
-        pl.col("ok").all().alias("succeeded")
-    )
-    return rows.join(first_bad, on=["source_id", "kind"], how="left")
+EMPTY_TEXT_DETAIL = "the row's text is empty or only whitespace; nothing to ask"
 
 
 @task(name="finalize", task_run_name="finalize-{run_id}")
 def finalize_task(ctx: RunContext, run_id: str) -> dict:
     """One outcome per input row: the run's failures with reasons, and its counts."""
     store = ctx.store
-    # units unsorted (a million sorted cost more than the query); the few failures sorted
-    per_row = row_outcomes(store.run_unit_outcomes(run_id, with_output=False, ordered=False))
-    failures = (
-        per_row.filter(~pl.col("succeeded"))
-        .select("source_id", "kind", "unit_id", "reason", "detail")
-        .sort("kind", "source_id")
-    )
+    failures, rows_by_kind = store.run_row_failures(run_id, EMPTY_TEXT_DETAIL)
     store.replace_rows("failures", run_id, failures)
-    rows = per_row.filter(pl.col("kind") == "row")
-    succeeded = int(rows["succeeded"].sum())
-    counts: dict[str, Any] = {
-        "rows": rows.height,
-        "succeeded": succeeded,
-        "failed": rows.height - succeeded,
-    }
+    rows = rows_by_kind.get("row", 0)
+    failed = failures.filter(pl.col("kind") == "row").height
+    counts: dict[str, Any] = {"rows": rows, "succeeded": rows - failed, "failed": failed}
     reasons = failures.filter(pl.col("kind") == "row")["reason"].value_counts()
     counts["failures_by_reason"] = dict(
         zip(reasons["reason"].to_list(), reasons["count"].to_list(), strict=True)
     )
-    stage_log(
-        "finalize", "%d rows: %d succeeded, %d failed", rows.height, succeeded, counts["failed"]
-    )
+    stage_log("finalize", "%d rows: %d succeeded, %d failed", rows, rows - failed, failed)
     return counts
 
 

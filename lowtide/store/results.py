@@ -182,6 +182,46 @@ class ResultsStore(Database):
             [run_id],
         )
 
+    def run_row_failures(
+        self, run_id: str, empty_detail: str
+    ) -> tuple[pl.DataFrame, dict[str, int]]:
+        """The run's failed input rows, each with its first failing unit (by chunk index):
+        source_id, kind, unit_id, reason (the unit's outcome, `missing` when it has none,
+        `empty_text` when it had nothing to ask, with `empty_detail`) and detail (its error),
+        sorted by kind and source_id; and how many rows of each kind the run has. A row failed
+        when any of its units has no validated answer. Reckoned in DuckDB: only the failing
+        units leave it (a million units fetched to be grouped in polars cost ~1 s of CPU and
+        set the run's peak memory)."""
+        with self._connect() as con:
+            failures = frame(
+                con,
+                """
+                SELECT source_id, kind, first.unit_id AS unit_id, first.reason AS reason,
+                       first.detail AS detail
+                FROM (
+                    SELECT u.source_id, u.kind,
+                           arg_min({
+                               'unit_id': u.unit_id,
+                               'reason': CASE WHEN u.custom_id = '' THEN 'empty_text'
+                                              ELSE coalesce(r.outcome, 'missing') END,
+                               'detail': CASE WHEN u.custom_id = '' THEN $empty
+                                              ELSE r.error END
+                           }, u.chunk_index) AS first
+                    FROM units u LEFT JOIN results r USING (custom_id)
+                    WHERE u.run_id = $run
+                      AND NOT coalesce(list_contains($answered, r.outcome), false)
+                    GROUP BY u.source_id, u.kind
+                )
+                ORDER BY kind, source_id
+                """,
+                {"run": run_id, "answered": list(ANSWERED), "empty": empty_detail},
+            )
+            counts = con.execute(
+                "SELECT kind, count(DISTINCT source_id) FROM units WHERE run_id = ? GROUP BY kind",
+                [run_id],
+            ).fetchall()
+        return failures, {kind: int(n) for kind, n in counts}
+
     def billed_results(self, run_id: str) -> pl.DataFrame:
         """The results this run received that carry usage (what it is billed for), without
         their answers (the widest columns; pricing reads counts and tokens)."""
