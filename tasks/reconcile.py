@@ -154,7 +154,7 @@ def reconcile_task(ctx: RunContext, run_id: str) -> dict:
     costs = cost_rows(billed, _provider_usage(batches), price, ctx.backend, run.get("estimate_usd"))
     store.replace_rows("costs", run_id, costs)
     run_cost = costs.filter(pl.col("level") == "run").row(0, named=True)
-    outcomes = store.run_unit_outcomes(run_id, with_output=False, ordered=False)  # sums
+    outcomes = store.run_unit_usage(run_id)  # sums
     minutes = _minutes_since(run.get("started_at"))
     answered_here = billed.filter(pl.col("outcome").is_in(ANSWERED))
     sent = billed.height

@@ -182,6 +182,21 @@ class ResultsStore(Database):
             [run_id],
         )
 
+    def run_unit_usage(self, run_id: str) -> pl.DataFrame:
+        """What the run's costs and metrics read of each unit, in no particular order: kind,
+        unit_tokens, custom_id, cache_hit, and its request's outcome and tokens (null if not
+        answered). Half the bytes of `run_unit_outcomes`, and half its CPU (no ids, errors or
+        batch ids: ~0.3 s at a million units)."""
+        return self._query(
+            """
+            SELECT u.kind, u.unit_tokens, u.custom_id, u.cache_hit, r.outcome,
+                   r.input_tokens, r.cached_tokens, r.output_tokens
+            FROM units u LEFT JOIN results r USING (custom_id)
+            WHERE u.run_id = ?
+            """,
+            [run_id],
+        )
+
     def run_row_failures(
         self, run_id: str, empty_detail: str
     ) -> tuple[pl.DataFrame, dict[str, int]]:
