@@ -15,7 +15,11 @@ first night touched 15.2 million fresh pages and spent 53.9 of its 157.9 s of CP
 kernel (2026-12-06). polars allocates and frees every slice of every stage; keeping its freed
 pages for 3 s lets the next slice reuse them: 8.2 million faults, 38.1 s in the kernel, 130.7 s
 of CPU, at a peak of 1.74 GB against 1.54 (10 s: 126.0 s but 1.85 GB, too close to the 2 GB
-target). Blocks of 8 MiB and more still go back at once (jemalloc's own rule for them).
+target). Later stages got faster, and a chunk slice (50,000 rows) now takes ~2.5 s, so pages
+kept 3 s were mostly gone before the next slice could reuse them: chunk and key 400,000 rows
+touched 517,000 fresh pages at 3 s, 374,000 at 6 s, 254,000 at 10 s (2026-12-06, AMD EPYC).
+They are kept 6 s: the run's peak (in load and submit now that finalize counts its failures in
+DuckDB) was 1.85 GB with 10 s; 6 s keeps more room below 2 GB.
 
 DuckDB keeps its freed pages 1 s, and a thread of its allocator gives them back after that
 whether or not DuckDB works meanwhile (so a stage that frees a big table and then waits does
@@ -30,7 +34,7 @@ from __future__ import annotations
 import os
 
 DUCKDB_FREED_PAGES = "dirty_decay_ms:1000,muzzy_decay_ms:0,background_thread:true"
-REUSE_FREED_PAGES = "dirty_decay_ms:3000,muzzy_decay_ms:0"
+REUSE_FREED_PAGES = "dirty_decay_ms:6000,muzzy_decay_ms:0"
 
 for variable, setting in (
     ("DUCKDB_JE_MALLOC_CONF", DUCKDB_FREED_PAGES),  # DuckDB's
