@@ -19,7 +19,8 @@ target). Later stages got faster, and a chunk slice (50,000 rows) now takes ~2.5
 kept 3 s were mostly gone before the next slice could reuse them: chunk and key 400,000 rows
 touched 517,000 fresh pages at 3 s, 374,000 at 6 s, 254,000 at 10 s (2026-12-06, AMD EPYC).
 They are kept 6 s: the run's peak (in load and submit now that finalize counts its failures in
-DuckDB) was 1.85 GB with 10 s; 6 s keeps more room below 2 GB.
+DuckDB) was 1.85 GB with 10 s; 6 s keeps more room below 2 GB (its 1M bench: 1.70 GB, 3.8
+million faults against 5.0 million at 3 s the same day).
 
 DuckDB keeps its freed pages 1 s, and a thread of its allocator gives them back after that
 whether or not DuckDB works meanwhile (so a stage that frees a big table and then waits does
