@@ -27,9 +27,10 @@ def finalize_task(ctx: RunContext, run_id: str) -> dict:
     failures, rows_by_kind = store.run_row_failures(run_id, EMPTY_TEXT_DETAIL)
     store.replace_rows("failures", run_id, failures)
     rows = rows_by_kind.get("row", 0)
-    failed = failures.filter(pl.col("kind") == "row").height
+    row_failures = failures.filter(pl.col("kind") == "row")
+    failed = row_failures.height
     counts: dict[str, Any] = {"rows": rows, "succeeded": rows - failed, "failed": failed}
-    reasons = failures.filter(pl.col("kind") == "row")["reason"].value_counts()
+    reasons = row_failures["reason"].value_counts()
     counts["failures_by_reason"] = dict(
         zip(reasons["reason"].to_list(), reasons["count"].to_list(), strict=True)
     )
