@@ -16,7 +16,7 @@ from typing import Protocol
 import polars as pl
 
 from lowtide.context import RunContext
-from lowtide.digests import md5_hex
+from lowtide.digests import md5_hex, text_key
 from lowtide.jobspec import JobSpec
 from lowtide.orchestration import task
 from lowtide.runlog import stage_log
@@ -30,7 +30,9 @@ from tasks.dedupe import CUSTOM_ID_VERSION, Keyer
 class CutMemo(Protocol):
     """Where earlier runs' cuts are remembered (the state store's `ChunkCutsStore`)."""
 
-    def chunk_cuts(self, budget: str, digests: pl.Series) -> pl.DataFrame: ...
+    def chunk_cuts(self, budget: str, keys: pl.Series) -> pl.DataFrame: ...
+
+    def has_md5_cuts(self, budget: str) -> bool: ...
 
     def remember_chunk_cuts(self, budget: str, cuts: pl.DataFrame, recipe: str) -> None: ...
 
@@ -48,14 +50,20 @@ class RunCuts:
         self._made: dict[str, list[pl.DataFrame]] = {}  # by budget
         self._recipes: dict[str, str] = {}
 
-    def chunk_cuts(self, budget: str, digests: pl.Series) -> pl.DataFrame:
-        known = self.memo.chunk_cuts(budget, digests)
-        wanted = digests.unique().implode()
-        made = [c.filter(pl.col("text_md5").is_in(wanted)) for c in self._made.get(budget, [])]
+    def chunk_cuts(self, budget: str, keys: pl.Series) -> pl.DataFrame:
+        known = self.memo.chunk_cuts(budget, keys)
+        wanted = keys.unique().implode()
+        made = [
+            c.filter(pl.col("text_key").is_in(wanted)).select(list(CUTS_SCHEMA))
+            for c in self._made.get(budget, [])
+        ]
         if not made:
             return known
         # another process may have remembered a text this run cut too: one row per text
-        return pl.concat([known, *made]).unique(subset="text_md5", keep="first")
+        return pl.concat([known, *made]).unique(subset="text_key", keep="first")
+
+    def has_md5_cuts(self, budget: str) -> bool:
+        return self.memo.has_md5_cuts(budget)
 
     def remember_chunk_cuts(self, budget: str, cuts: pl.DataFrame, recipe: str) -> None:
         if cuts.height:
@@ -65,7 +73,8 @@ class RunCuts:
     def remember(self) -> None:
         """Hand every cut made to `memo`, one call per budget."""
         for budget, frames in self._made.items():
-            self.memo.remember_chunk_cuts(budget, pl.concat(frames), self._recipes[budget])
+            made = pl.concat(frames, how="diagonal")  # `replaces` where a slice re-keyed cuts
+            self.memo.remember_chunk_cuts(budget, made, self._recipes[budget])
         self._made.clear()
 
 
@@ -135,11 +144,15 @@ def long_text_cuts(
     distinct text is tokenized once; with a memo, only texts it has never cut under this
     budget are, and their cuts are remembered."""
     budget = budget_key(max_tokens, overlap, encoding)
-    texts_by_digest = pl.DataFrame({"text_md5": md5_hex(texts), "text": texts})
-    known = memo.chunk_cuts(budget, texts_by_digest["text_md5"]) if memo else None
-    todo = texts_by_digest.unique(subset="text_md5", keep="first", maintain_order=True)
+    texts_by_key = pl.DataFrame({"text_key": text_key(texts), "text": texts})
+    known = memo.chunk_cuts(budget, texts_by_key["text_key"]) if memo else None
+    todo = texts_by_key.unique(subset="text_key", keep="first", maintain_order=True)
     if known is not None:
-        todo = todo.join(known.select("text_md5"), on="text_md5", how="anti")
+        todo = todo.join(known.select("text_key"), on="text_key", how="anti")
+    rekeyed = None
+    if memo is not None and todo.height and memo.has_md5_cuts(budget):
+        rekeyed = _md5_cuts(memo, budget, todo)
+        todo = todo.join(rekeyed.select("text_key"), on="text_key", how="anti")
     # one flat row per piece, gathered into lists by polars (nested Python lists build a
     # Series per text)
     owner: list[int] = []
@@ -156,14 +169,31 @@ def long_text_cuts(
         flat.with_columns(pl.Series("i", owner, dtype=pl.UInt32))
         .group_by("i", maintain_order=True)
         .agg("starts", "lengths", "tokens")
-        .join(todo.select("text_md5").with_row_index("i"), on="i", how="right")
+        .join(todo.select("text_key").with_row_index("i"), on="i", how="right")
         .select(list(CUTS_SCHEMA))
     )
     if memo is not None:
         memo.remember_chunk_cuts(budget, fresh, cut_recipe())
-    every = pl.concat([known, fresh]) if known is not None else fresh
-    return texts_by_digest.join(every, on="text_md5", how="left", maintain_order="left").select(
+        if rekeyed is not None and rekeyed.height:
+            memo.remember_chunk_cuts(budget, rekeyed, cut_recipe())
+    every = pl.concat(
+        [c.select(list(CUTS_SCHEMA)) for c in (known, fresh, rekeyed) if c is not None]
+    )
+    return texts_by_key.join(every, on="text_key", how="left", maintain_order="left").select(
         "starts", "lengths", "tokens"
+    )
+
+
+def _md5_cuts(memo: CutMemo, budget: str, todo: pl.DataFrame) -> pl.DataFrame:
+    """The cuts of `todo`'s texts that were remembered by the md5 of their text (before
+    `text_key`), under their new key, with the md5 they replace (`replaces`): kept so, the
+    next night finds them by key alone."""
+    digests = md5_hex(todo["text"])
+    found = memo.chunk_cuts(budget, digests)
+    return (
+        pl.DataFrame({"text_key": todo["text_key"], "replaces": digests})
+        .join(found.rename({"text_key": "replaces"}), on="replaces", how="inner")
+        .select(*CUTS_SCHEMA, "replaces")
     )
 
 

@@ -438,6 +438,17 @@ MIGRATIONS.append(
 )
 
 
+MIGRATIONS.append(
+    (
+        18,
+        "remembered cuts are found by a key of their text: XXH3-128 for new ones, md5 for those "
+        "remembered before",
+        # a cut keyed by md5 is found by it until a night meets its text again and keys it anew
+        # (`tasks.chunk.long_text_cuts`)
+        "ALTER TABLE chunk_cuts RENAME COLUMN text_md5 TO text_key;",
+    )
+)
+
 LATEST = MIGRATIONS[-1][0]
 
 

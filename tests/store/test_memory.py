@@ -33,7 +33,7 @@ def _requests(n: int, message: str = "") -> pl.DataFrame:
 def _cuts(n: int) -> pl.DataFrame:
     """`n` remembered chunk cuts (a keyed table), each of its own text."""
     return pl.select(pl.int_range(n).alias("i")).select(
-        ("m" + pl.col("i").cast(pl.String)).alias("text_md5"),
+        ("m" + pl.col("i").cast(pl.String)).alias("text_key"),
         pl.lit([0], pl.List(pl.Int32)).alias("starts"),
         pl.lit([1], pl.List(pl.Int32)).alias("lengths"),
         pl.lit([1], pl.List(pl.Int32)).alias("tokens"),

@@ -243,3 +243,16 @@ def test_big_tables_lose_their_keys_and_keep_their_rows_and_compression(tmp_path
     store.upsert_results(pl.concat([again, fresh, fresh]))
     rows = query(store, "SELECT custom_id, outcome FROM results ORDER BY custom_id")
     assert rows.rows() == [("c0", "ok"), ("c1", "ok"), ("c2", "ok"), ("c9", "provider_error")]
+
+
+def test_cuts_keyed_by_md5_keep_their_key_under_its_new_name(tmp_path: Path) -> None:
+    path = tmp_path / "s.duckdb"
+    con = _file_just_before(path, "remembered cuts are found by a key")
+    con.execute("INSERT INTO chunk_cuts VALUES ('0123abcd', 'v1:budget', [0, 9], [9, 9], [3, 3])")
+    con.close()
+    store = Store(path)
+    cuts = store.chunk_cuts("v1:budget", pl.Series(["0123abcd"]))
+    assert cuts.to_dicts() == [
+        {"text_key": "0123abcd", "starts": [0, 9], "lengths": [9, 9], "tokens": [3, 3]}
+    ]
+    assert store.has_md5_cuts("v1:budget") and not store.has_md5_cuts("v1:other")

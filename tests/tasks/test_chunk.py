@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lowtide import splitting, tokens
-from lowtide.digests import md5_hex
+from lowtide.digests import md5_hex, text_key
 from lowtide.splitting import split_spans, split_text
 from lowtide.store import Store
 from lowtide.store.chunk_cuts import CUTS_SCHEMA
@@ -379,10 +379,13 @@ def test_the_encodings_a_job_may_name_are_the_tokenizers() -> None:
     assert list(tokens.ENCODINGS) == bpe_openai.list_encoding_names()
 
 
-def test_cuts_remembered_by_earlier_releases_stay_in_use(tmp_path: Path) -> None:
-    # earlier releases cut "word word ..." at token boundaries; the cutter now cuts between
-    # words, but a text an earlier night cut keeps its remembered pieces (so its requests, and
-    # their cached answers, stay the same): changing the key would re-ask every long row
+def test_cuts_remembered_by_earlier_releases_stay_in_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # earlier releases cut "word word ..." at token boundaries and keyed the cut by the md5 of
+    # its text; the cutter now cuts between words and keys by XXH3, but a text an earlier night
+    # cut keeps its remembered pieces (so its requests, and their cached answers, stay the
+    # same): changing either would re-ask every long row
     from importlib import metadata
 
     key = f"v1:bpe-openai {metadata.version('bpe-openai')}:o200k_base:100:0"
@@ -391,7 +394,7 @@ def test_cuts_remembered_by_earlier_releases_stay_in_use(tmp_path: Path) -> None
     store = Store(tmp_path / "state.duckdb")
     old_cut = pl.DataFrame(
         {
-            "text_md5": md5_hex(pl.Series([text])),
+            "text_key": md5_hex(pl.Series([text])),
             "starts": [[0, 493, 983, 1473]],
             "lengths": [[493, 490, 490, 27]],
             "tokens": [[98, 98, 98, 6]],
@@ -400,16 +403,37 @@ def test_cuts_remembered_by_earlier_releases_stay_in_use(tmp_path: Path) -> None
     )
     store.remember_chunk_cuts(key, old_cut, chunk.cut_recipe())
     rows = pl.DataFrame({"source_id": ["a"], "text": [text]})
-    units = chunk_units(rows, max_tokens=100, memo=store)
     pieces = [text[:493], text[493:983], text[983:1473], text[1473:]]
-    assert units.sort("chunk_index")["text"].to_list() == pieces  # cut mid-word, as then
-    assert units.sort("chunk_index")["unit_tokens"].to_list() == [98, 98, 98, 6]
+    for _night in (1, 2):
+        units = chunk_units(rows, max_tokens=100, memo=store)
+        assert units.sort("chunk_index")["text"].to_list() == pieces  # cut mid-word, as then
+        assert units.sort("chunk_index")["unit_tokens"].to_list() == [98, 98, 98, 6]
+        # the first night meeting the text keys its cut anew: later ones find it by key alone
+        keys = store._query("SELECT text_key FROM chunk_cuts")["text_key"].to_list()
+        assert keys == text_key(pl.Series([text])).to_list()
+        assert not store.has_md5_cuts(key)
+        monkeypatch.setattr(chunk, "md5_hex", _refused)
+
+
+def _refused(values: pl.Series) -> pl.Series:
+    raise AssertionError("an md5 was computed where no cut is keyed by one")
+
+
+def test_a_state_without_md5_keyed_cuts_computes_no_md5(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(chunk, "md5_hex", _refused)
+    store = Store(tmp_path / "state.duckdb")
+    rows = pl.DataFrame({"source_id": ["a", "b"], "text": ["word " * 300, "tick " * 300]})
+    first = chunk_units(rows, max_tokens=100, memo=store)
+    assert first.equals(chunk_units(rows, max_tokens=100, memo=store))
+    assert first.equals(chunk_units(rows, max_tokens=100))
 
 
 def test_cuts_of_an_older_cutter_are_dropped_when_new_ones_are_kept(tmp_path: Path) -> None:
     store = Store(tmp_path / "state.duckdb")
     old_cut = pl.DataFrame(
-        {"text_md5": ["0" * 32], "starts": [[0, 9]], "lengths": [[9, 9]], "tokens": [[3, 3]]},
+        {"text_key": ["0" * 32], "starts": [[0, 9]], "lengths": [[9, 9]], "tokens": [[3, 3]]},
         schema=CUTS_SCHEMA,
     )
     store.remember_chunk_cuts(
