@@ -5,6 +5,11 @@
 1. Data and floor from ../shared/bench (skipped, with the reason, when it is absent): the
    reference `limit_e2e.py --hash xxh3 --no-payload` on the generated rows, and one bpe-openai
    pass over the rows longer than the chunk budget in bytes (the only rows that need counting).
+   Each is measured three times, before the first night, right after it and after the third,
+   and the ratio takes the median of each: on this shared virtual machine one measurement of
+   the same code moved by a quarter within an hour (the tokenizer pass: 35.8-51.1 s at 1M
+   rows), so a floor measured once, minutes away from the night it is compared with, said
+   more about the minute than about lowtide.
 2. The emulator in its own process (`lowtide emulator --time-scale 2000 --error-rate 0`).
 3. Three nights of the real CLI, template `{text}`: the first; the second over the same input;
    a third with 1% of rows appended and 1% changed.
@@ -30,6 +35,7 @@ import re
 import resource
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -311,16 +317,7 @@ def main() -> None:
     python = lab_python(ref)
     data = data_dir(ref, python, args.rows)
 
-    reference = timed(
-        [str(python), str(ref / "limit_e2e.py"), "--rows", str(args.rows), "--hash", "xxh3"]
-        + ["--no-payload", "--runs", "1"]
-    )
-    if reference["rc"] != 0:
-        sys.exit(f"reference failed:\n{reference['stderr'][-2000:]}")
-    tok = timed([sys.executable, "-c", TOKENIZER_FLOOR, str(data / "input.parquet"), "1024"])
-    long_rows, long_tokens, tok_cpu = tok["stdout"].split()
-    tokenizer_s = float(tok_cpu)
-
+    floors = [measure_floor(ref, python, data, args.rows)]
     work = Path(tempfile.mkdtemp(prefix="lowtide-scale-"))
     try:
         input_path = work / "input.parquet"
@@ -345,16 +342,38 @@ def main() -> None:
             COLUMNS="200",
         )
         try:
-            nights = [night("first", job, env, work), night("second (same input)", job, env, work)]
+            nights = [night("first", job, env, work)]
+            floors.append(measure_floor(ref, python, data, args.rows))
+            nights.append(night("second (same input)", job, env, work))
             change_input_apart(data / "input.parquet", input_path, 0.01)
             nights.append(night("third (+1% rows, 1% changed)", job, env, work))
         finally:
             emulator.terminate()
             emulator.wait(30)
-        report(args.rows, reference, tokenizer_s, int(long_rows), int(long_tokens), nights)
+        floors.append(measure_floor(ref, python, data, args.rows))
+        report(args.rows, floors, nights)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def measure_floor(ref: Path, python: Path, data: Path, rows: int) -> dict:
+    """One measurement of the floor: the reference's CPU (and wall, peak) and the tokenizer
+    pass's CPU over the rows that need counting."""
+    reference = timed(
+        [str(python), str(ref / "limit_e2e.py"), "--rows", str(rows), "--hash", "xxh3"]
+        + ["--no-payload", "--runs", "1"]
+    )
+    if reference["rc"] != 0:
+        sys.exit(f"reference failed:\n{reference['stderr'][-2000:]}")
+    tok = timed([sys.executable, "-c", TOKENIZER_FLOOR, str(data / "input.parquet"), "1024"])
+    long_rows, long_tokens, tok_cpu = tok["stdout"].split()
+    return {
+        "reference": reference,
+        "tokenizer_s": float(tok_cpu),
+        "long_rows": int(long_rows),
+        "long_tokens": int(long_tokens),
+    }
 
 
 def _wait_for_port(port: int) -> None:
@@ -367,24 +386,24 @@ def _wait_for_port(port: int) -> None:
     sys.exit(f"the emulator did not open port {port} within 60 s")
 
 
-def report(
-    rows: int,
-    reference: dict,
-    tokenizer_s: float,
-    long_rows: int,
-    long_tokens: int,
-    nights: list[dict],
-) -> None:
+def report(rows: int, floors: list[dict], nights: list[dict]) -> None:
     first, second, third = nights
-    floor = reference["cpu_s"] + tokenizer_s
+    reference_s = statistics.median(f["reference"]["cpu_s"] for f in floors)
+    tokenizer_s = statistics.median(f["tokenizer_s"] for f in floors)
+    floor = reference_s + tokenizer_s
     print(
         f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, {_cpu_model()}, "
         f"Python {platform.python_version()}; rows={rows:,}"
     )
+    said = lambda values: " / ".join(f"{v:.1f}" for v in values)  # noqa: E731
+    walls = [f["reference"]["wall_s"] for f in floors]
     print(
-        f"floor: reference CPU {reference['cpu_s']:.1f} s (wall {reference['wall_s']:.1f} s, "
-        f"peak {reference['peak_rss_mb']:.0f} MB) + bpe-openai over {long_rows:,} rows longer "
-        f"than {CHUNK_TOKENS} bytes ({long_tokens:,} tokens) {tokenizer_s:.1f} s = {floor:.1f} s"
+        f"floor, measured before the first night, after it and after the third (the median of "
+        f"each counts): reference CPU {said(f['reference']['cpu_s'] for f in floors)} s (wall "
+        f"{said(walls)} s, peak {floors[0]['reference']['peak_rss_mb']:.0f} MB) + bpe-openai "
+        f"over {floors[0]['long_rows']:,} rows longer than {CHUNK_TOKENS} bytes "
+        f"({floors[0]['long_tokens']:,} tokens) {said(f['tokenizer_s'] for f in floors)} s; "
+        f"{reference_s:.1f} + {tokenizer_s:.1f} = {floor:.1f} s"
     )
     stages = sorted({s for n in nights for s in n["stages"]})
     print(
@@ -422,7 +441,7 @@ def report(
     size = lambda n: n["state_mb"] + n["published_mb"]  # noqa: E731
     print(
         f"\nscale: rows={rows} total_s={first['cpu_s']:.1f} "
-        f"reference_s={reference['cpu_s']:.1f} tokenizer_s={tokenizer_s:.1f} "
+        f"reference_s={reference_s:.1f} tokenizer_s={tokenizer_s:.1f} "
         f"ratio={first['cpu_s'] / floor:.2f} peak_rss_mb={first['peak_rss_mb']:.0f} "
         f"rerun_fraction={second['wall_s'] / first['wall_s']:.3f} "
         f"rerun_requests={second['run'].get('requests_sent') or 0} "
