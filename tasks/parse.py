@@ -94,7 +94,7 @@ def parse_results(joined: pl.DataFrame, schema: dict[str, Any]) -> pl.DataFrame:
         pl.Series("_output", outputs, dtype=pl.String),
         pl.Series("_problem", problems, dtype=pl.String),
     )
-    answered = pl.col("status") == RequestStatus.ANSWERED.value
+    answered = (pl.col("status") == RequestStatus.ANSWERED.value).fill_null(False)
     failed = pl.col("_outcome") == Outcome.PARSE_FAILED.value
     return (
         joined.join(

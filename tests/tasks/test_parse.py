@@ -153,7 +153,7 @@ def test_each_row_keeps_its_own_outcome_when_answers_repeat() -> None:
     broken = '{"intent": "teleport", "urgency": "normal", "summary": "x"}'
     joined = pl.DataFrame(
         {
-            "custom_id": ["a", "b", "c", "d", "e", "f", "g"],
+            "custom_id": ["a", "b", "c", "d", "e", "f", "g", "h", "i"],
             "status": [
                 "answered",
                 "answered",
@@ -162,14 +162,26 @@ def test_each_row_keeps_its_own_outcome_when_answers_repeat() -> None:
                 "answered",
                 "missing",
                 "answered",
+                "answered",
+                None,  # no status at all: missing, with its own reason
             ],
-            "raw_text": [GOOD, broken, GOOD, broken, GOOD, None, GOOD],
-            "finish_reason": ["stop", "stop", "stop", "stop", "length", None, "stop"],
-            "error": [None, "refusal: no", None, None, None, "no result", "refusal: no"],
+            "raw_text": [GOOD, broken, GOOD, broken, GOOD, None, GOOD, None, None],
+            "finish_reason": ["stop", "stop", "stop", "stop", "length", None, "stop", None, None],
+            "error": [
+                None,
+                "refusal: no",
+                None,
+                None,
+                None,
+                "no result",
+                "refusal: no",
+                None,
+                "lost",
+            ],
         }
     )
     out = parse_results(joined, load_job(SAMPLE_JOB).output_schema)
-    assert out["custom_id"].to_list() == ["a", "b", "c", "d", "e", "f", "g"]
+    assert out["custom_id"].to_list() == ["a", "b", "c", "d", "e", "f", "g", "h", "i"]
     assert out["outcome"].to_list() == [
         "ok",
         "parse_failed",
@@ -178,9 +190,12 @@ def test_each_row_keeps_its_own_outcome_when_answers_repeat() -> None:
         "ok",
         "missing",
         "ok",
+        "parse_failed",
+        "missing",
     ]
     errors = out["error"].to_list()
     assert errors[0] is None and errors[2] is None and errors[6] is None
+    assert errors[7] == "empty answer" and errors[8] == "lost"
     assert errors[1].startswith("refusal: no; schema:") and errors[3].startswith("schema:")
     assert errors[5] == "no result"
     assert out["output"][0] == out["output"][2] and out["output"][5] is None
