@@ -415,6 +415,38 @@ def test_cuts_remembered_by_earlier_releases_stay_in_use(
         monkeypatch.setattr(chunk, "md5_hex", _refused)
 
 
+def test_a_stage_keys_anew_the_md5_cuts_it_meets_once_at_its_end(tmp_path: Path) -> None:
+    """`RunCuts`, as chunk's stage uses it: an md5-keyed cut found in one slice is reused by
+    the next slice, and the state file gets it under its new key when the stage ends."""
+    budget = chunk.budget_key(100, 0, "o200k_base")
+    text = "word " * 300
+    store = Store(tmp_path / "state.duckdb")
+    old_cut = pl.DataFrame(
+        {
+            "text_key": md5_hex(pl.Series([text])),
+            "starts": [[0, 493, 983, 1473]],
+            "lengths": [[493, 490, 490, 27]],
+            "tokens": [[98, 98, 98, 6]],
+        },
+        schema=CUTS_SCHEMA,
+    )
+    store.remember_chunk_cuts(budget, old_cut, chunk.cut_recipe())
+    cuts = chunk.RunCuts(store)
+    slice1 = pl.DataFrame({"source_id": ["a", "b"], "text": [text, "tick " * 300]})
+    slice2 = pl.DataFrame({"source_id": ["c"], "text": [text]})
+    units1 = chunk_units(slice1, max_tokens=100, memo=cuts)
+    units2 = chunk_units(slice2, max_tokens=100, memo=cuts)
+    pieces = [text[:493], text[493:983], text[983:1473], text[1473:]]
+    for units, row in ((units1, "a"), (units2, "c")):
+        mine = units.filter(pl.col("source_id") == row).sort("chunk_index")
+        assert mine["text"].to_list() == pieces
+    assert scalar(store, "SELECT count(*) FROM chunk_cuts") == 1  # nothing written yet
+    cuts.remember()
+    keys = store._query("SELECT text_key FROM chunk_cuts ORDER BY text_key")["text_key"]
+    assert sorted(keys.to_list()) == sorted(text_key(pl.Series([text, "tick " * 300])).to_list())
+    assert not store.has_md5_cuts(budget)
+
+
 def _refused(values: pl.Series) -> pl.Series:
     raise AssertionError("an md5 was computed where no cut is keyed by one")
 
