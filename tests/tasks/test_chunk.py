@@ -379,6 +379,23 @@ def test_the_encodings_a_job_may_name_are_the_tokenizers() -> None:
     assert list(tokens.ENCODINGS) == bpe_openai.list_encoding_names()
 
 
+OLD_CUT_TEXT = "word " * 300
+
+
+def _old_md5_cut() -> pl.DataFrame:
+    """How earlier releases remembered `OLD_CUT_TEXT` under a 100-token budget: cut at token
+    boundaries (mid-word) and keyed by the md5 of the text."""
+    return pl.DataFrame(
+        {
+            "text_key": md5_hex(pl.Series([OLD_CUT_TEXT])),
+            "starts": [[0, 493, 983, 1473]],
+            "lengths": [[493, 490, 490, 27]],
+            "tokens": [[98, 98, 98, 6]],
+        },
+        schema=CUTS_SCHEMA,
+    )
+
+
 def test_cuts_remembered_by_earlier_releases_stay_in_use(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -390,18 +407,9 @@ def test_cuts_remembered_by_earlier_releases_stay_in_use(
 
     key = f"v1:bpe-openai {metadata.version('bpe-openai')}:o200k_base:100:0"
     assert chunk.budget_key(100, 0, "o200k_base") == key
-    text = "word " * 300
+    text = OLD_CUT_TEXT
     store = Store(tmp_path / "state.duckdb")
-    old_cut = pl.DataFrame(
-        {
-            "text_key": md5_hex(pl.Series([text])),
-            "starts": [[0, 493, 983, 1473]],
-            "lengths": [[493, 490, 490, 27]],
-            "tokens": [[98, 98, 98, 6]],
-        },
-        schema=CUTS_SCHEMA,
-    )
-    store.remember_chunk_cuts(key, old_cut, chunk.cut_recipe())
+    store.remember_chunk_cuts(key, _old_md5_cut(), chunk.cut_recipe())
     rows = pl.DataFrame({"source_id": ["a"], "text": [text]})
     pieces = [text[:493], text[493:983], text[983:1473], text[1473:]]
     for _night in (1, 2):
@@ -419,18 +427,9 @@ def test_a_stage_keys_anew_the_md5_cuts_it_meets_once_at_its_end(tmp_path: Path)
     """`RunCuts`, as chunk's stage uses it: an md5-keyed cut found in one slice is reused by
     the next slice, and the state file gets it under its new key when the stage ends."""
     budget = chunk.budget_key(100, 0, "o200k_base")
-    text = "word " * 300
+    text = OLD_CUT_TEXT
     store = Store(tmp_path / "state.duckdb")
-    old_cut = pl.DataFrame(
-        {
-            "text_key": md5_hex(pl.Series([text])),
-            "starts": [[0, 493, 983, 1473]],
-            "lengths": [[493, 490, 490, 27]],
-            "tokens": [[98, 98, 98, 6]],
-        },
-        schema=CUTS_SCHEMA,
-    )
-    store.remember_chunk_cuts(budget, old_cut, chunk.cut_recipe())
+    store.remember_chunk_cuts(budget, _old_md5_cut(), chunk.cut_recipe())
     cuts = chunk.RunCuts(store)
     slice1 = pl.DataFrame({"source_id": ["a", "b"], "text": [text, "tick " * 300]})
     slice2 = pl.DataFrame({"source_id": ["c"], "text": [text]})
