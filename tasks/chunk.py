@@ -172,13 +172,12 @@ def long_text_cuts(
         .join(todo.select("text_key").with_row_index("i"), on="i", how="right")
         .select(list(CUTS_SCHEMA))
     )
+    if rekeyed is not None:
+        # the cuts found by md5 are remembered under their new keys with the new ones: one write
+        fresh = pl.concat([fresh, rekeyed], how="diagonal")
     if memo is not None:
         memo.remember_chunk_cuts(budget, fresh, cut_recipe())
-        if rekeyed is not None and rekeyed.height:
-            memo.remember_chunk_cuts(budget, rekeyed, cut_recipe())
-    every = pl.concat(
-        [c.select(list(CUTS_SCHEMA)) for c in (known, fresh, rekeyed) if c is not None]
-    )
+    every = pl.concat([c.select(list(CUTS_SCHEMA)) for c in (known, fresh) if c is not None])
     return texts_by_key.join(every, on="text_key", how="left", maintain_order="left").select(
         "starts", "lengths", "tokens"
     )
