@@ -3,8 +3,9 @@ from __future__ import annotations
 import pytest
 
 from lowtide.backends import make_backend
-from lowtide.backends.base import BatchStatus, TerminalBackendError
+from lowtide.backends.base import BatchStatus, RequestStatus, TerminalBackendError
 from lowtide.backends.openai_batch import map_status, parse_result_lines
+from lowtide.backends.wire import EMULATOR_FINGERPRINT
 
 
 @pytest.mark.parametrize(
@@ -52,6 +53,43 @@ def test_result_lines_of_every_shape() -> None:
     )
     assert out["c"]["status"] == "cancelled" and out["d"]["status"] == "expired"
     assert parse_result_lines(b"").height == 0
+
+
+def test_result_lines_say_refusals_errors_and_who_answered() -> None:
+    answered = (
+        '{"custom_id":"%s","response":{"status_code":200,"body":{"system_fingerprint":%s,'
+        '"choices":[{"message":{"content":%s,"refusal":%s},"finish_reason":"stop"}],'
+        '"usage":{"prompt_tokens":3,"completion_tokens":1}}},"error":null}'
+    )
+    content = "\n".join(
+        [
+            answered % ("emu", f'"{EMULATOR_FINGERPRINT}"', '"{}"', "null"),
+            answered % ("real", '"fp_other"', '"{}"', "null"),
+            answered % ("refused", "null", "null", '"not this"'),
+            # a body error with a type and no code; a line with no status code and no error
+            '{"custom_id":"typed","response":{"status_code":500,"body":{"error":'
+            '{"message":"boom","type":"server_error"}}},"error":null}',
+            '{"custom_id":"bare","response":null,"error":null}',
+            '{"custom_id":"blank_error","response":null,"error":{"code":null,"message":null}}',
+        ]
+    ).encode()
+    out = {r["custom_id"]: r for r in parse_result_lines(content).iter_rows(named=True)}
+    assert [out[k]["emulated"] for k in ("emu", "real", "refused", "typed")] == [
+        True,
+        False,
+        False,
+        False,
+    ]
+    assert out["emu"]["raw_text"] == "{}" and out["emu"]["error"] is None
+    assert out["emu"]["cached_tokens"] is None and out["emu"]["output_tokens"] == 1
+    assert out["refused"]["status"] == RequestStatus.ANSWERED
+    assert out["refused"]["raw_text"] is None and out["refused"]["error"] == "refusal: not this"
+    assert out["typed"]["status"] == RequestStatus.PROVIDER_ERROR
+    assert out["typed"]["error"] == "HTTP 500 server_error: boom"
+    assert out["typed"]["raw_text"] is None and out["typed"]["finish_reason"] is None
+    assert out["bare"]["status"] == RequestStatus.PROVIDER_ERROR
+    assert out["bare"]["error"] == "HTTP ? : "
+    assert out["blank_error"]["error"] == "error: "
 
 
 def test_missing_key_says_where_it_looked() -> None:
