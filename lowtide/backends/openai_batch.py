@@ -184,6 +184,10 @@ def _read_in_place(path: Path) -> bytes | Path:
     return path.read_bytes()
 
 
+NO_RESPONSE = "no_response: the result line holds neither a response nor an error"
+"""A failed request's reason when its result line says nothing about it."""
+
+
 def parse_result_lines(content: bytes | Path) -> pl.DataFrame:
     """Output/error file JSONL (its bytes, or the file) → RESULT_SCHEMA frame, columnar (no
     per-line Python).
@@ -227,6 +231,8 @@ def parse_result_lines(content: bytes | Path) -> pl.DataFrame:
             + pl.lit(": ")
             + top_error.struct.field("message").fill_null("")
         )
+        .when(resp.is_null())
+        .then(pl.lit(NO_RESPONSE))
         .otherwise(
             pl.lit("HTTP ")
             + resp.struct.field("status_code").cast(pl.String).fill_null("?")

@@ -4,7 +4,7 @@ import pytest
 
 from lowtide.backends import make_backend
 from lowtide.backends.base import BatchStatus, RequestStatus, TerminalBackendError
-from lowtide.backends.openai_batch import map_status, parse_result_lines
+from lowtide.backends.openai_batch import NO_RESPONSE, map_status, parse_result_lines
 from lowtide.backends.wire import EMULATOR_FINGERPRINT
 
 
@@ -66,7 +66,7 @@ def test_result_lines_say_refusals_errors_and_who_answered() -> None:
             answered % ("emu", f'"{EMULATOR_FINGERPRINT}"', '"{}"', "null"),
             answered % ("real", '"fp_other"', '"{}"', "null"),
             answered % ("refused", "null", "null", '"not this"'),
-            # a body error with a type and no code; a line with no status code and no error
+            # a body error with a type and no code; a line with neither a response nor an error
             '{"custom_id":"typed","response":{"status_code":500,"body":{"error":'
             '{"message":"boom","type":"server_error"}}},"error":null}',
             '{"custom_id":"bare","response":null,"error":null}',
@@ -88,7 +88,7 @@ def test_result_lines_say_refusals_errors_and_who_answered() -> None:
     assert out["typed"]["error"] == "HTTP 500 server_error: boom"
     assert out["typed"]["raw_text"] is None and out["typed"]["finish_reason"] is None
     assert out["bare"]["status"] == RequestStatus.PROVIDER_ERROR
-    assert out["bare"]["error"] == "HTTP ? : "
+    assert out["bare"]["error"] == NO_RESPONSE  # not "HTTP ? : "
     assert out["blank_error"]["error"] == "error: "
 
 
