@@ -9,8 +9,9 @@
    mean of each: on this shared virtual machine one measurement of the same code moved by a
    quarter within an hour (the tokenizer pass at 1M rows: 35.8-57.0 s in one day, 57.0 and
    44.7 s in one bench), so a floor measured once, minutes away from the night it is compared
-   with, said more about the minute than about lowtide. (Not between the nights: the reference's 6 GB pushed the state out of the
-   page cache, and the second night's wall time went from 1 to 6.5 s.)
+   with, said more about the minute than about lowtide. (Not between the nights: the
+   reference's 6 GB pushed the state out of the page cache, and the second night's wall time
+   went from 1 to 6.5 s.)
 2. The emulator in its own process (`lowtide emulator --time-scale 2000 --error-rate 0`).
 3. Three nights of the real CLI, template `{text}`: the first; the second over the same input;
    a third with 1% of rows appended and 1% changed.

@@ -380,6 +380,13 @@ def test_the_encodings_a_job_may_name_are_the_tokenizers() -> None:
 
 
 OLD_CUT_TEXT = "word " * 300
+OLD_CUT_PIECES = [
+    OLD_CUT_TEXT[:493],
+    OLD_CUT_TEXT[493:983],
+    OLD_CUT_TEXT[983:1473],
+    OLD_CUT_TEXT[1473:],
+]
+"""The pieces `_old_md5_cut` gives `OLD_CUT_TEXT`."""
 
 
 def _old_md5_cut() -> pl.DataFrame:
@@ -411,7 +418,7 @@ def test_cuts_remembered_by_earlier_releases_stay_in_use(
     store = Store(tmp_path / "state.duckdb")
     store.remember_chunk_cuts(key, _old_md5_cut(), chunk.cut_recipe())
     rows = pl.DataFrame({"source_id": ["a"], "text": [text]})
-    pieces = [text[:493], text[493:983], text[983:1473], text[1473:]]
+    pieces = OLD_CUT_PIECES
     for _night in (1, 2):
         units = chunk_units(rows, max_tokens=100, memo=store)
         assert units.sort("chunk_index")["text"].to_list() == pieces  # cut mid-word, as then
@@ -435,7 +442,7 @@ def test_a_stage_keys_anew_the_md5_cuts_it_meets_once_at_its_end(tmp_path: Path)
     slice2 = pl.DataFrame({"source_id": ["c"], "text": [text]})
     units1 = chunk_units(slice1, max_tokens=100, memo=cuts)
     units2 = chunk_units(slice2, max_tokens=100, memo=cuts)
-    pieces = [text[:493], text[493:983], text[983:1473], text[1473:]]
+    pieces = OLD_CUT_PIECES
     for units, row in ((units1, "a"), (units2, "c")):
         mine = units.filter(pl.col("source_id") == row).sort("chunk_index")
         assert mine["text"].to_list() == pieces
