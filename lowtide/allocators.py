@@ -20,7 +20,10 @@ kept 3 s were mostly gone before the next slice could reuse them: chunk and key 
 touched 517,000 fresh pages at 3 s, 374,000 at 6 s, 254,000 at 10 s (2026-12-06, AMD EPYC).
 They are kept 6 s: the run's peak (in load and submit now that finalize counts its failures in
 DuckDB) was 1.85 GB with 10 s; 6 s keeps more room below 2 GB (its 1M bench: 1.70 GB, 3.8
-million faults against 5.0 million at 3 s the same day).
+million faults against 5.0 million at 3 s the same day). Measured again once the submit's lines
+pass held ~350 MB less (8a6c7b2; 2026-12-07, two alternating pairs of 1M first nights): 10 s took
+89.2 and 84.1 s of CPU against 84.2 and 93.1 s at 6 s, and peaked at 1.72-1.77 GB in load
+against 1.46-1.51 GB: no gain to pay that room for.
 
 DuckDB keeps its freed pages 1 s, and a thread of its allocator gives them back after that
 whether or not DuckDB works meanwhile (so a stage that frees a big table and then waits does
