@@ -1,5 +1,7 @@
 """Reading JSON lines through DuckDB: the frame a provider's result file becomes."""
 
+from concurrent.futures import ThreadPoolExecutor
+
 import polars as pl
 import pytest
 
@@ -50,3 +52,22 @@ def test_a_line_longer_than_duckdb_s_default_limit_is_read():
     big = "y" * (20 << 20)  # DuckDB refuses objects over 16 MB unless told otherwise
     content = b'{"custom_id": "' + big.encode() + b'"}\n'
     assert json_lines(content, SCHEMA)["custom_id"].str.len_bytes().item() == len(big)
+
+
+def test_threads_reading_at_once_each_get_their_own_file_s_rows(tmp_path):
+    # join tasks of several batches read their results files side by side
+    paths = []
+    for n in range(4):
+        path = tmp_path / f"results-{n}.jsonl"
+        path.write_bytes(b"".join(b'{"custom_id": "%d-%d"}\n' % (n, i) for i in range(20_000)))
+        paths.append(path)
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        frames = list(pool.map(lambda p: json_lines(p, SCHEMA), paths * 3))
+    for n, frame in enumerate(frames):
+        assert frame["custom_id"].to_list() == [f"{n % 4}-{i}" for i in range(20_000)]
+
+
+def test_a_broken_file_leaves_the_next_read_whole():
+    with pytest.raises(ValueError):
+        json_lines(b'{"custom_id": \n', SCHEMA)
+    assert json_lines(b'{"custom_id": "a"}\n', SCHEMA)["custom_id"].to_list() == ["a"]
