@@ -217,7 +217,10 @@ class SourcesStore(Database):
             f"INSERT INTO {MEMBERS} SELECT ?, ?, source_id, {KEY_COLUMN} FROM incoming",
             [view, run_id],
         )
-        # ids are unique, so slices never overlap
+        # ids are unique, so slices never overlap. On a view's first night nothing stored can
+        # match, yet a plain INSERT there was worse, not better: 1M rows took 4.9-7.2 s of CPU
+        # against 4.4-6.6, with ~90k more fresh pages, and twice in three left the file
+        # 2.17 GB, not 1.59 (2026-12-07, alternating)
         con.execute(
             f"INSERT INTO {content} BY NAME SELECT n.* FROM incoming n "
             f"ANTI JOIN {content} s ON s.source_id = n.source_id "

@@ -200,3 +200,25 @@ def test_a_save_failing_on_a_later_slice_takes_the_runs_membership_back(
     store.save_sources("x", "r2", rows)
     assert scalar(store, "SELECT count(*) FROM src_x WHERE run_id = 'r2'") == 4
     assert scalar(store, 'SELECT count(*) FROM "src_x-rows"') == 4
+
+
+def test_a_first_save_failing_midway_then_saved_again_stores_each_row_once(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A view's first save that fails midway leaves its first slices stored; saving again
+    finds them and stores each row once."""
+    from lowtide.store import sources
+
+    monkeypatch.setattr(sources, "INSERT_SLICE_ROWS", 2)
+    rows = pl.DataFrame({"source_id": ["a", "b", "c", "d", "e"], "body": ["1", "2", "3", "4", "5"]})
+    store = Store(tmp_path / "state.duckdb")
+    broken = rows.with_columns(source_id=pl.Series(["a", "b", None, "d", "e"]))  # fails slice 2
+    with pytest.raises(duckdb.ConstraintException):
+        store.save_sources("x", "r1", broken)
+    assert scalar(store, 'SELECT count(*) FROM "src_x-rows"') == 2  # slice 1 stayed
+
+    store.save_sources("x", "r1", rows)
+    assert scalar(store, 'SELECT count(*) FROM "src_x-rows"') == 5
+    assert query(store, "SELECT source_id FROM src_x WHERE run_id = 'r1' ORDER BY 1")[
+        "source_id"
+    ].to_list() == ["a", "b", "c", "d", "e"]
