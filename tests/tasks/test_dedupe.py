@@ -69,6 +69,34 @@ def test_keys_do_not_change_between_versions() -> None:
     ]
 
 
+@pytest.mark.parametrize("arrow_from", [0, 10**9], ids=["case-through-arrow", "polars-only"])
+def test_keys_are_the_same_whichever_way_the_case_is_folded(
+    monkeypatch: pytest.MonkeyPatch, arrow_from: int
+) -> None:
+    """Long columns fold their case through Arrow (`lowtide.lowercase`): the keys of texts
+    where Arrow and polars disagree (a word-final capital sigma, İ) stay polars' own."""
+    from lowtide import lowercase
+
+    texts = [
+        "Refund  please",
+        " A\t\tb \n\n c\u00a0 d\u2003\u2003e ",
+        "x\r\ny\x0bz\x0c",
+        "ünï 数据  ok",
+        "\u00a0lone nbsp\u00a0",
+        "ΟΔΥΣΣΕΥΣ İstanbul",
+    ]
+    monkeypatch.setattr(lowercase, "FAST_FROM_ROWS", arrow_from)
+    keyed = request_keys(_units(texts), TEMPLATE, "fp@emulator")
+    assert keyed["custom_id"].to_list() == [
+        "lt2_3714e8aaa2f1217cee797d4c08f084ea5559350be7495449",
+        "lt2_6cdc9573b6a92623d25a16333a755561d99ae4e5fee17b26",
+        "lt2_c43dad3379bb4411cce9bbba0bdbb6318e79360098a669c0",
+        "lt2_955386d5f3a8a687df0fe87862d0cdc31770cc8acfac718e",
+        "lt2_d234aad10f2129430ad4de48104a0b8b30fe1477a3462c4d",
+        "lt2_0ab262f19fcde4f4a69a4ca1b4ff14050f798a374f57788c",  # stored before Arrow folded
+    ]
+
+
 def test_keys_made_a_slice_at_a_time_are_the_keys_of_one_pass(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
