@@ -34,7 +34,10 @@ class ChunkCutsStore(Database):
                 "JOIN wanted w ON w.text_key = c.text_key WHERE c.budget = ?",
                 [budget],
             )
-        return found if found.height else pl.DataFrame(schema=CUTS_SCHEMA)
+        if not found.height:
+            return pl.DataFrame(schema=CUTS_SCHEMA)
+        # no key (migration 19): two processes that cut one text at once may both have kept it
+        return found.unique(subset="text_key", keep="any")
 
     def has_md5_cuts(self, budget: str) -> bool:
         """Whether cuts remembered before `text_key` (keyed by md5) remain under `budget`: only
@@ -56,7 +59,6 @@ class ChunkCutsStore(Database):
         if not cuts.height:
             return
         with self._transaction() as con:
-            self._make_room(con, cuts.height)
             con.execute("DELETE FROM chunk_cuts WHERE NOT starts_with(budget, ?)", [recipe + ":"])
             con.register("incoming", cuts.unique(subset="text_key"))
             if "replaces" in cuts.columns:
@@ -66,7 +68,8 @@ class ChunkCutsStore(Database):
                     [budget],
                 )
             con.execute(
-                "INSERT INTO chunk_cuts SELECT text_key, ?, starts, lengths, tokens "
-                "FROM incoming ON CONFLICT DO NOTHING",
-                [budget],
+                "INSERT INTO chunk_cuts SELECT i.text_key, $budget, i.starts, i.lengths, "
+                "i.tokens FROM incoming i ANTI JOIN "
+                "(SELECT text_key FROM chunk_cuts WHERE budget = $budget) USING (text_key)",
+                {"budget": budget},
             )

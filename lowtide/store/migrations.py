@@ -393,8 +393,16 @@ def _keyed_by_lowtide(con: duckdb.DuckDBPyConnection) -> None:
     # indexes cost more than they guarded (1M rows in 50,000-row transactions: results 13.8 →
     # 8.5 s of CPU and 96 → 42 MB, batch members 4.2 → 1.3 s and 137 → 28 MB, requests ~6.5 s
     # less), and were held in memory whenever the file took rows.
+    _rebuild_without_keys(con, _UNKEYED)
+
+
+def _rebuild_without_keys(
+    con: duckdb.DuckDBPyConnection, tables: dict[str, dict[str, str]]
+) -> None:
+    """Each table made again without its primary key: every row, column type, NOT NULL and
+    named column compression kept."""
     compress = _storage_takes_compression(con)
-    for table, compression in _UNKEYED.items():
+    for table, compression in tables.items():
         columns = con.execute(
             "SELECT column_name, data_type, is_nullable FROM information_schema.columns "
             "WHERE table_catalog = current_database() AND table_schema = 'main' "
@@ -446,6 +454,23 @@ MIGRATIONS.append(
         # a cut keyed by md5 is found by it until a night meets its text again and keys it anew
         # (`tasks.chunk.long_text_cuts`)
         "ALTER TABLE chunk_cuts RENAME COLUMN text_md5 TO text_key;",
+    )
+)
+
+
+def _cuts_kept_unique_by_lowtide(con: duckdb.DuckDBPyConnection) -> None:
+    # a cut is stored only where no cut of its text and budget is (an anti join), and a
+    # lookup takes one row per text (the same text under one budget is always cut the same
+    # way). The key's index cost more than the cuts: a 1M first night's 295,000 new cuts took
+    # 1.1 s of CPU to store with it and 0.2 s without, and 50 MB of the file against 8 MB.
+    _rebuild_without_keys(con, {"chunk_cuts": {}})
+
+
+MIGRATIONS.append(
+    (
+        19,
+        "remembered cuts without a primary key: lowtide keeps one cut per text and budget",
+        _cuts_kept_unique_by_lowtide,
     )
 )
 

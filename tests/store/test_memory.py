@@ -30,8 +30,19 @@ def _requests(n: int, message: str = "") -> pl.DataFrame:
     )
 
 
+def _failures(n: int) -> pl.DataFrame:
+    """`n` rows of a run's failures (a keyed table), each of its own input row."""
+    return pl.select(pl.int_range(n).alias("i")).select(
+        ("s" + pl.col("i").cast(pl.String)).alias("source_id"),
+        pl.lit("row").alias("kind"),
+        pl.lit(None, pl.String).alias("unit_id"),
+        pl.lit("parse_failed").alias("reason"),
+        pl.lit(None, pl.String).alias("detail"),
+    )
+
+
 def _cuts(n: int) -> pl.DataFrame:
-    """`n` remembered chunk cuts (a keyed table), each of its own text."""
+    """`n` remembered chunk cuts, each of its own text."""
     return pl.select(pl.int_range(n).alias("i")).select(
         ("m" + pl.col("i").cast(pl.String)).alias("text_key"),
         pl.lit([0], pl.List(pl.Int32)).alias("starts"),
@@ -71,11 +82,12 @@ def test_the_cap_starts_at_the_base_and_grows_with_keyed_rows(
     store = Store(tmp_path / "state.duckdb")
     threads = _threads(store)
     assert _cap_mib(store) == memory.PER_THREAD_MB * threads
-    # requests, batch members, units and results are kept unique by lowtide (migration 16);
-    # remembered chunk cuts are keyed
-    store.remember_chunk_cuts("v1:budget", _cuts(100_000), "v1")
+    # requests, batch members, units and results are kept unique by lowtide (migration 16),
+    # and so are remembered cuts (migration 19); a run's failures are keyed
+    store.replace_rows("failures", "r1", _failures(100_000))
     _manifest(store, "r1", _requests(100_000))  # adds nothing keyed
-    keyed = scalar(store, "SELECT count(*) FROM chunk_cuts")
+    store.remember_chunk_cuts("v1:budget", _cuts(100_000), "v1")  # nor this
+    keyed = scalar(store, "SELECT count(*) FROM failures")
     assert keyed == 100_000
     # the next attach sees the grown file and counts again (whole MiB; DuckDB's statistics
     # may round)
@@ -105,14 +117,14 @@ def test_running_out_names_the_variable_and_keeps_nothing(
 ) -> None:
     monkeypatch.setenv("LOWTIDE_STATE_MEMORY_MB", "8")
     store = Store(tmp_path / "state.duckdb")
-    # a key index cannot spill: 200,000 remembered cuts do not fit in 8 MiB (a manifest of as
-    # many requests now does, its tables carry no key)
+    # a key index cannot spill: 200,000 failures do not fit in 8 MiB (a manifest of as many
+    # requests now does, its tables carry no key)
     with pytest.raises(StateMemoryError) as caught:
-        store.remember_chunk_cuts("v1:budget", _cuts(200_000), "v1")
+        store.replace_rows("failures", "r1", _failures(200_000))
     said = str(caught.value)
     assert str(tmp_path / "state.duckdb") in said
     assert "(8 MiB, from LOWTIDE_STATE_MEMORY_MB)" in said and "rolled back" in said
-    assert scalar(store, "SELECT count(*) FROM chunk_cuts") == 0
+    assert scalar(store, "SELECT count(*) FROM failures") == 0
 
 
 def test_a_big_insert_makes_room_for_its_keys_first(tmp_path: Path, small_parts: None) -> None:

@@ -256,3 +256,39 @@ def test_cuts_keyed_by_md5_keep_their_key_under_its_new_name(tmp_path: Path) -> 
         {"text_key": "0123abcd", "starts": [0, 9], "lengths": [9, 9], "tokens": [3, 3]}
     ]
     assert store.has_md5_cuts("v1:budget") and not store.has_md5_cuts("v1:other")
+
+
+def test_remembered_cuts_lose_their_key_and_stay_one_per_text_and_budget(
+    tmp_path: Path,
+) -> None:
+    """Migration 19 rebuilds `chunk_cuts` without its primary key: the cuts and NOT NULLs stay,
+    a cut remembered again is not stored twice, and a lookup gives one cut per text even where
+    two processes both kept one."""
+    path = tmp_path / "s.duckdb"
+    con = _file_just_before(path, "remembered cuts without a primary key")
+    con.execute("INSERT INTO chunk_cuts VALUES ('xxh3:1', 'v1:budget', [0, 9], [9, 9], [3, 3])")
+    con.close()
+
+    store = Store(path)
+    kinds = query(
+        store,
+        "SELECT constraint_type, constraint_column_names[1] AS col FROM duckdb_constraints() "
+        "WHERE database_name = current_database() AND table_name = 'chunk_cuts'",
+    )
+    assert "PRIMARY KEY" not in kinds["constraint_type"].to_list()
+    assert {"text_key", "budget", "starts"} <= set(
+        kinds.filter(kinds["constraint_type"] == "NOT NULL")["col"].to_list()
+    )
+
+    cut = pl.DataFrame(
+        {"text_key": ["xxh3:1", "xxh3:2"], "starts": [[0, 9], [0]], "lengths": [[9, 9], [4]]}
+    ).with_columns(pl.col("lengths").alias("tokens"))
+    cut = cut.cast({c: pl.List(pl.Int32) for c in ("starts", "lengths", "tokens")})
+    store.remember_chunk_cuts("v1:budget", cut, "v1")
+    store.remember_chunk_cuts("v1:other", cut.head(1), "v1")  # another budget: its own cut
+    assert scalar(store, "SELECT count(*) FROM chunk_cuts") == 3
+
+    # a second process's copy of the same cut (no key refuses it) is read once
+    store._query("INSERT INTO chunk_cuts VALUES ('xxh3:2', 'v1:budget', [0], [4], [4]) RETURNING 1")
+    found = store.chunk_cuts("v1:budget", pl.Series(["xxh3:1", "xxh3:2", "xxh3:3"]))
+    assert sorted(found["text_key"].to_list()) == ["xxh3:1", "xxh3:2"]
