@@ -49,9 +49,10 @@ def render_user(units: pl.DataFrame, template: str) -> pl.Expr:
     return pl.concat_str(parts) if parts else pl.lit("")
 
 
-def normalise(expr: pl.Expr) -> pl.Expr:
-    """Case and whitespace do not change what is asked: fold both before hashing."""
-    return fold_whitespace(expr.str.to_lowercase())
+def normalise(texts: pl.Series) -> pl.Series:
+    """Case and whitespace do not change what is asked: fold both before hashing (the case
+    through Arrow where that gives polars' own result: `lowtide.lowercase`)."""
+    return pl.select(fold_whitespace(pl.lit(lowercase(texts)))).to_series()
 
 
 def fold_whitespace(expr: pl.Expr) -> pl.Expr:
@@ -73,11 +74,8 @@ def request_keys(units: pl.DataFrame, template: str, fingerprint: str) -> pl.Dat
 
 def _request_keys(units: pl.DataFrame, template: str, fingerprint: str) -> pl.DataFrame:
     framed = units.with_columns(render_user(units, template).alias("user"))
-    # `normalise`, with the case folded through Arrow where that gives the same (`lowercase`)
-    material = pl.select(
-        pl.lit(fingerprint + "\x1f") + fold_whitespace(pl.lit(lowercase(framed["user"])))
-    ).to_series()
-    keys = sha256_hex(material)
+    material = pl.select(pl.lit(fingerprint + "\x1f") + pl.lit(normalise(framed["user"])))
+    keys = sha256_hex(material.to_series())
     return framed.with_columns(keys.alias("request_key")).with_columns(
         (pl.lit(CUSTOM_ID_VERSION + "_") + pl.col("request_key").str.slice(0, 48)).alias(
             "custom_id"
