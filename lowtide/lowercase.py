@@ -28,9 +28,9 @@ libraries disagree on costs more than Arrow saves on them."""
 
 @cache
 def disagreeing_starts() -> tuple[bytes, ...]:
-    """UTF-8 byte strings that start every character Arrow's lowercasing gets wrong (for a
-    character of three or four bytes, all but its last byte: a few more texts go the slow way,
-    and a few searches find them all)."""
+    """UTF-8 byte strings that start every character Arrow lowercases otherwise than polars
+    (for a character of three or four bytes, all but its last byte: a few more texts go the
+    slow way, and a few searches find them all)."""
     # every code point but the surrogates and "\n", each after an "a" (where a final sigma
     # shows) and before a "\n", in one string that each library lowercases once
     codes = array("I", chain(range(0x0B, 0xD800), range(0xE000, 0x110000)))

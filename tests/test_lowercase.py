@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import polars as pl
 import pytest
+from pyarrow import compute as pc
 
 from lowtide import lowercase as lc
 
@@ -44,8 +45,6 @@ def test_tricky_texts_in_a_long_column_lowercase_as_polars_does() -> None:
 def test_every_disagreeing_character_is_found_by_its_first_bytes() -> None:
     """Found independently: each code point alone and after a letter, one text each."""
     starts = lc.disagreeing_starts()
-    from pyarrow import compute as pc
-
     for prefix in ("", "a"):
         texts = _every_code_point(prefix)
         arrow = pl.Series(pc.utf8_lower(texts.to_arrow(compat_level=pl.CompatLevel.oldest())))
