@@ -35,16 +35,36 @@ def input_fingerprint(job: JobSpec) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
+DIGEST_PREFIX = "sha256:"
+"""What starts an input digest; one recorded before it (blake2b-160, plain hex) is still read
+(`same_input`)."""
+
+
 def input_digest(job: JobSpec) -> str | None:
     """Digest of the input's and eval set's bytes (a file rewritten with the same content keeps
-    it); None for a source that is not a plain file. About 1 s per GB, read in 1 MiB pieces,
-    once per process for the same file versions: the CLI's unchanged-night check and the
-    flow's own ask for it in turn."""
+    it): "sha256:" and the hex; None for a source that is not a plain file. Read in 1 MiB
+    pieces, once per process for the same file versions: the CLI's unchanged-night check and
+    the flow's own ask for it in turn. sha256 takes the CPU's SHA instructions: 0.34 s of CPU
+    over a million rows' input (479 MB), where blake2b, used before, took 0.63 s."""
+    return _cached_digest(job, "sha256")
+
+
+def same_input(recorded: str | None, job: JobSpec) -> bool:
+    """Whether a run's recorded `input_digest` is that of the job's input now, whichever of the
+    two recipes recorded it (a run recorded before sha256 keeps its blake2b digest)."""
+    if recorded is None:
+        return False
+    if recorded.startswith(DIGEST_PREFIX):
+        return recorded == input_digest(job)
+    return recorded == _cached_digest(job, "blake2b")
+
+
+def _cached_digest(job: JobSpec, algorithm: str) -> str | None:
     if job.input.path.startswith("duckdb:"):
         return None  # a database file changes under writes that keep the table as it was
-    version = _file_versions(job)
+    version = (_file_versions(job), algorithm)
     if version not in _DIGESTS:
-        _DIGESTS[version] = _read_digest(job)
+        _DIGESTS[version] = _read_digest(job, algorithm)
     return _DIGESTS[version]
 
 
@@ -62,11 +82,11 @@ def _file_versions(job: JobSpec) -> str:
     return "\n".join(parts)
 
 
-_DIGESTS: dict[str, str | None] = {}
+_DIGESTS: dict[tuple[str, str], str | None] = {}
 
 
-def _read_digest(job: JobSpec) -> str | None:
-    digest = hashlib.blake2b(digest_size=20)
+def _read_digest(job: JobSpec, algorithm: str) -> str | None:
+    digest = hashlib.sha256() if algorithm == "sha256" else hashlib.blake2b(digest_size=20)
     for path in input_files(job):
         if path is None:
             digest.update(b"-")
@@ -78,7 +98,8 @@ def _read_digest(job: JobSpec) -> str | None:
             while block := f.read(_READ_SIZE):
                 digest.update(block)
         digest.update(b"\x00")
-    return digest.hexdigest()
+    prefix = DIGEST_PREFIX if algorithm == "sha256" else ""
+    return prefix + digest.hexdigest()
 
 
 def spec_digest(job: JobSpec) -> str:

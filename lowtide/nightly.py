@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from lowtide.input_identity import input_digest, input_fingerprint, spec_digest
+from lowtide.input_identity import input_fingerprint, same_input, spec_digest
 from lowtide.jobspec import JobSpec
 from lowtide.settings import Settings
 from lowtide.store import Store
@@ -45,9 +45,7 @@ def record_if_unchanged(
     fingerprint = input_fingerprint(job)
     if store.resumable_run(job.name, shown["job_fingerprint"], fingerprint, backend):
         return None
-    if shown["input_fingerprint"] != fingerprint and (
-        shown["input_digest"] is None or shown["input_digest"] != input_digest(job)
-    ):
+    if shown["input_fingerprint"] != fingerprint and not same_input(shown["input_digest"], job):
         return None
     if store.row_units_left_to_ask(shown["rows_run"]):
         return None
