@@ -18,8 +18,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypedDict
 
-from prefect.runtime import flow_run
-
 from lowtide import artifacts, progress
 from lowtide.context import RunContext, run_context
 from lowtide.crashpoints import crash_point
@@ -50,6 +48,8 @@ from tasks.submit import prepare_lines_task, submit_task
 
 
 def _run_name() -> str:
+    from prefect.runtime import flow_run  # called by Prefect only: it is imported by then
+
     params = flow_run.parameters or {}
     stem = Path(str(params.get("job_file", "job"))).stem
     return f"{stem}-{datetime.now(UTC):%Y-%m-%d-%H%M}"

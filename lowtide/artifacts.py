@@ -12,13 +12,12 @@ keeps each job's history run after run.
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
-
-from prefect.context import FlowRunContext
 
 from lowtide import progress
 from lowtide.store.published import first_query
@@ -33,6 +32,12 @@ def _key(*parts: str) -> str:
 
 
 def _in_flow() -> bool:
+    """Whether a Prefect flow run is going on: never where Prefect was not even imported (a
+    flow run in-process, `lowtide.orchestration.without_prefect`)."""
+    if "prefect.context" not in sys.modules:
+        return False
+    from prefect.context import FlowRunContext
+
     return FlowRunContext.get() is not None
 
 

@@ -74,8 +74,9 @@ def with_progress(call, flow_module: str, warm_ups=()):  # noqa: ANN001, ANN202 
         progress_channel.set_reporter(show)
         try:
             if not reported:
-                from lowtide.orchestration import in_process
+                from lowtide.orchestration import in_process, without_prefect
 
+                without_prefect()  # the flow's module, imported by `call`, makes plain stages
                 with in_process(settings.stage_timings), _terminate_as_interrupt():
                     return call()
             from lowtide.prefect_server import start_tied_server

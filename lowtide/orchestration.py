@@ -8,10 +8,17 @@ runs the same flows in-process instead (`in_process()`): each flow and task call
 directly, a task keeps its retries on transient provider errors, and each stage's duration goes
 to `lowtide.stages` (and, with LOWTIDE_STAGE_TIMINGS, to a file: the benchmark's per-stage
 seconds). Outside `in_process()` these are Prefect's own flows and tasks, unchanged.
+
+Importing Prefect costs ~0.8 s of CPU that such a run never uses. So the CLI's in-process path
+says `without_prefect()` before it imports a flow, and the flows and tasks made from then on are
+plain callables (`PlainStage`, `PlainPipeline`) that build Prefect's own task or flow only when
+called outside `in_process()`. Made any other way (a deployment's entrypoint, a test, a worker),
+they are Prefect's own from the start (`lowtide.prefect_stages`).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import resource
@@ -23,15 +30,14 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from prefect import Flow, Task
-from prefect.states import Failed
-from prefect.utilities.math import clamped_poisson_interval
 
 from lowtide.errors import TransientBackendError
 
 _IN_PROCESS: ContextVar[bool] = ContextVar("lowtide_in_process", default=False)
 _TIMINGS: ContextVar[Path | None] = ContextVar("lowtide_stage_timings", default=None)
 _log = logging.getLogger("lowtide.stages")
+_PLAIN = [False]
+"""Set by `without_prefect()`: flows and tasks made from then on are plain callables."""
 
 
 @contextmanager
@@ -58,56 +64,140 @@ def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
     return False
 
 
-class Stage(Task):
-    """A Prefect task that, inside `in_process()`, is a plain call of its function, retried as
-    Prefect would: up to `retries` times, when `retry_condition_fn` (if set) says so, after
-    `retry_delay_seconds` with the same jitter. (`with_options`, `.submit` and `.map` give or
-    use Prefect's own task: the flows here do not use them.)"""
+def without_prefect() -> None:
+    """Flows and tasks made from now on in this process (their modules imported after this
+    call) are plain callables, so running them in-process never imports Prefect. Called by the
+    CLI when it runs a flow in-process, before it imports the flow."""
+    _PLAIN[0] = True
+
+
+def in_process_now() -> bool:
+    """Whether flows and tasks called now are plain calls (inside `in_process()`)."""
+    return _IN_PROCESS.get()
+
+
+def call_task(stage: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A task's function called directly, retried as Prefect would: up to `retries` times,
+    when `retry_condition_fn` (if set) says so, after `retry_delay_seconds` with the same
+    jitter. `stage` is a `PlainStage` or Prefect's own task (the attributes are the same)."""
+    run_name = _run_name(stage.fn, stage.task_run_name, args, kwargs) or stage.name
+    delays = _delays(stage.retry_delay_seconds, stage.retries or 0)
+    with _timed("task", stage.name, run_name):
+        for attempt in range(len(delays) + 1):
+            try:
+                return stage.fn(*args, **kwargs)
+            except Exception as err:
+                if attempt == len(delays) or not _retries_after(stage, err):
+                    raise
+                wait = delays[attempt]
+                if stage.retry_jitter_factor and wait > 0:
+                    from prefect.utilities.math import clamped_poisson_interval
+
+                    wait = clamped_poisson_interval(wait, stage.retry_jitter_factor)
+                _log.warning("%s: %s; retrying in %.1f s", run_name, err, wait)
+                time.sleep(wait)
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def _retries_after(stage: Any, err: Exception) -> bool:
+    if stage.retry_condition_fn is None:
+        return True
+    # the condition reads a Prefect state: Prefect is imported for it only when a task failed
+    from prefect.states import Failed
+
+    return bool(stage.retry_condition_fn(stage, None, Failed(data=err)))
+
+
+def call_flow(pipeline: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A flow's function called directly, timed under its run name."""
+    template = pipeline.flow_run_name if isinstance(pipeline.flow_run_name, str) else None
+    formatted = _run_name(pipeline.fn, template, args, kwargs) or pipeline.name
+    with _timed("flow", pipeline.name, formatted):
+        return pipeline.fn(*args, **kwargs)
+
+
+class PlainStage:
+    """A task made after `without_prefect()`: inside `in_process()` a plain call of its
+    function (`call_task`); elsewhere Prefect's own task, built at its first such call (`prefect`),
+    which also answers for any attribute this class does not have."""
+
+    def __init__(self, fn: Callable[..., Any], options: dict[str, Any]) -> None:
+        self.fn = fn
+        self.options = options
+        self.name: str = options.get("name") or fn.__name__
+        self.task_run_name = options.get("task_run_name")
+        self.retries: int = options.get("retries") or 0
+        self.retry_delay_seconds = options.get("retry_delay_seconds", 0)
+        self.retry_jitter_factor = options.get("retry_jitter_factor")
+        self.retry_condition_fn = options.get("retry_condition_fn")
+        self._prefect: Any = None
+        functools.update_wrapper(self, fn)
+
+    @property
+    def prefect(self) -> Any:
+        """Prefect's own task for the same function and options."""
+        if self._prefect is None:
+            from lowtide.prefect_stages import Stage
+
+            self._prefect = Stage(self.fn, **self.options)
+        return self._prefect
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not _IN_PROCESS.get():
-            return super().__call__(*args, **kwargs)
-        run_name = _run_name(self.fn, self.task_run_name, args, kwargs) or self.name
-        delays = _delays(self.retry_delay_seconds, self.retries or 0)
-        with _timed("task", self.name, run_name):
-            for attempt in range(len(delays) + 1):
-                try:
-                    return self.fn(*args, **kwargs)
-                except Exception as err:
-                    if attempt == len(delays) or not self._retries_after(err):
-                        raise
-                    wait = delays[attempt]
-                    if self.retry_jitter_factor and wait > 0:
-                        wait = clamped_poisson_interval(wait, self.retry_jitter_factor)
-                    _log.warning("%s: %s; retrying in %.1f s", run_name, err, wait)
-                    time.sleep(wait)
-        raise AssertionError("unreachable: the last attempt returns or raises")
+        if _IN_PROCESS.get():
+            return call_task(self, args, kwargs)
+        return self.prefect(*args, **kwargs)
 
-    def _retries_after(self, err: Exception) -> bool:
-        if self.retry_condition_fn is None:
-            return True
-        return bool(self.retry_condition_fn(self, None, Failed(data=err)))  # type: ignore[arg-type]
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.prefect, name)
 
 
-class Pipeline(Flow):
-    """A Prefect flow that, inside `in_process()`, is a plain call of its function."""
+class PlainPipeline:
+    """A flow made after `without_prefect()`: inside `in_process()` a plain call of its
+    function (`call_flow`); elsewhere Prefect's own flow, built at its first such call."""
+
+    def __init__(self, fn: Callable[..., Any], options: dict[str, Any]) -> None:
+        self.fn = fn
+        self.options = options
+        self.name: str = options.get("name") or fn.__name__
+        self.flow_run_name = options.get("flow_run_name")
+        self._prefect: Any = None
+        functools.update_wrapper(self, fn)
+
+    @property
+    def prefect(self) -> Any:
+        """Prefect's own flow for the same function and options."""
+        if self._prefect is None:
+            from lowtide.prefect_stages import Pipeline
+
+            self._prefect = Pipeline(self.fn, **self.options)
+        return self._prefect
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not _IN_PROCESS.get():
-            return super().__call__(*args, **kwargs)
-        run_name = self.flow_run_name if isinstance(self.flow_run_name, str) else None
-        formatted = _run_name(self.fn, run_name, args, kwargs) or self.name
-        with _timed("flow", self.name, formatted):
-            return self.fn(*args, **kwargs)
+        if _IN_PROCESS.get():
+            return call_flow(self, args, kwargs)
+        return self.prefect(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.prefect, name)
 
 
-def task(**options: Any) -> Callable[[Callable[..., Any]], Stage]:
-    """`prefect.task` with the same options, giving a `Stage`."""
+def task(**options: Any) -> Callable[[Callable[..., Any]], Any]:
+    """`prefect.task` with the same options: Prefect's own task that runs in-process as a plain
+    call (`lowtide.prefect_stages.Stage`), or after `without_prefect()` a `PlainStage`."""
+    if _PLAIN[0]:
+        return lambda fn: PlainStage(fn, options)
+    from lowtide.prefect_stages import Stage
+
     return lambda fn: Stage(fn, **options)
 
 
-def flow(**options: Any) -> Callable[[Callable[..., Any]], Pipeline]:
-    """`prefect.flow` with the same options, giving a `Pipeline`."""
+def flow(**options: Any) -> Callable[[Callable[..., Any]], Any]:
+    """`prefect.flow` with the same options: Prefect's own flow that runs in-process as a plain
+    call (`lowtide.prefect_stages.Pipeline`), or after `without_prefect()` a `PlainPipeline`."""
+    if _PLAIN[0]:
+        return lambda fn: PlainPipeline(fn, options)
+    from lowtide.prefect_stages import Pipeline
+
     return lambda fn: Pipeline(fn, **options)
 
 

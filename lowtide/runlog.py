@@ -6,17 +6,21 @@ the run); elsewhere (a stage called directly in a test) to a plain `lowtide.<sta
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 from typing import Any
-
-from prefect import get_run_logger
-from prefect.exceptions import MissingContextError
 
 
 def stage_log(stage: str, message: str, *args: Any) -> None:
-    logger: logging.Logger | logging.LoggerAdapter[logging.Logger]
-    try:
-        logger = get_run_logger()
-    except MissingContextError:
-        logger = logging.getLogger(f"lowtide.{stage}")
+    logger: logging.Logger | logging.LoggerAdapter[logging.Logger] = logging.getLogger(
+        f"lowtide.{stage}"
+    )
+    # where Prefect was not even imported (a flow run in-process), no run logger can exist
+    if "prefect.context" in sys.modules:
+        from prefect import get_run_logger
+        from prefect.exceptions import MissingContextError
+
+        with contextlib.suppress(MissingContextError):
+            logger = get_run_logger()
     logger.info(f"{stage}: {message}", *args)

@@ -1,15 +1,18 @@
 """Flows and tasks inside `in_process()`: plain calls, no Prefect context, a task's retries on
-transient provider errors kept, and timings written; outside it they are Prefect's own."""
+transient provider errors kept, and timings written; outside it they are Prefect's own. Made
+after `without_prefect()` they are plain callables that behave the same."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 from prefect import Flow, Task
 from prefect.context import FlowRunContext, TaskRunContext
 
+from lowtide import orchestration
 from lowtide.errors import TerminalBackendError, TransientBackendError
 from lowtide.orchestration import flow, in_process, retry_transient, task
 
@@ -104,3 +107,62 @@ def test_outside_in_process_they_run_through_prefect() -> None:
     with in_process():
         assert probe() == (False, False)
     assert probe() == (True, True)  # the flag ends with the block: Prefect's flow and task runs
+
+
+def _plain_pair() -> tuple[Any, Any]:
+    """A flow around a task, made as after `without_prefect()` (the flag is the caller's)."""
+
+    @task(
+        name="plain",
+        task_run_name="plain-{key}",
+        retries=1,
+        retry_delay_seconds=0,
+        retry_condition_fn=retry_transient,
+    )
+    def plain(key: str, failures: list[BaseException]) -> tuple[str, bool]:
+        calls.append(key)
+        if failures:
+            raise failures.pop(0)
+        return f"done {key}", TaskRunContext.get() is not None
+
+    @flow(name="plain-outer", flow_run_name="plain-outer-{key}")
+    def plain_outer(key: str, failures: list[BaseException]) -> tuple[str, bool, bool]:
+        done, in_task = plain(key, failures)
+        return done, FlowRunContext.get() is not None, in_task
+
+    return plain, plain_outer
+
+
+def test_made_after_without_prefect_they_are_plain_and_run_in_process_as_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(orchestration, "_PLAIN", [False])
+    orchestration.without_prefect()
+    plain, plain_outer = _plain_pair()
+    assert not isinstance(plain, Task) and not isinstance(plain_outer, Flow)
+    assert plain.name == "plain" and plain.retries == 1 and plain_outer.name == "plain-outer"
+    calls.clear()
+    timings = tmp_path / "t.jsonl"
+    with in_process(timings):
+        result = plain_outer("e", [TransientBackendError("429", backend="x", operation="poll")])
+    assert result == ("done e", False, False)
+    assert calls == ["e", "e"]  # retried on the transient error, as Prefect's task would be
+    lines = [orjson.loads(line) for line in timings.read_bytes().splitlines()]
+    assert [(line["kind"], line["run_name"]) for line in lines] == [
+        ("task", "plain-e"),
+        ("flow", "plain-outer-e"),
+    ]
+    calls.clear()
+    with in_process(), pytest.raises(TerminalBackendError):
+        plain_outer("f", [TerminalBackendError("400", backend="x", operation="poll")])
+    assert calls == ["f"]
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_plain_ones_called_outside_in_process_run_through_prefect(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(orchestration, "_PLAIN", [True])
+    plain, plain_outer = _plain_pair()
+    assert plain_outer("g", []) == ("done g", True, True)  # Prefect's flow and task runs
+    assert isinstance(plain.prefect, Task) and isinstance(plain_outer.prefect, Flow)
