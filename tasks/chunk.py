@@ -49,6 +49,7 @@ class RunCuts:
         self.memo = memo
         self._made: dict[str, list[pl.DataFrame]] = {}  # by budget
         self._recipes: dict[str, str] = {}
+        self._md5_kept: dict[str, bool] = {}  # by budget
 
     def chunk_cuts(self, budget: str, keys: pl.Series) -> pl.DataFrame:
         known = self.memo.chunk_cuts(budget, keys)
@@ -63,7 +64,11 @@ class RunCuts:
         return pl.concat([known, *made]).unique(subset="text_key", keep="first")
 
     def has_md5_cuts(self, budget: str) -> bool:
-        return self.memo.has_md5_cuts(budget)
+        # asked once a stage (it scanned every cut kept under the budget, once per slice): no
+        # lowtide writes md5 keys any more, and this stage re-keys those it meets at its end
+        if budget not in self._md5_kept:
+            self._md5_kept[budget] = self.memo.has_md5_cuts(budget)
+        return self._md5_kept[budget]
 
     def remember_chunk_cuts(self, budget: str, cuts: pl.DataFrame, recipe: str) -> None:
         if cuts.height:

@@ -453,6 +453,31 @@ def test_a_stage_keys_anew_the_md5_cuts_it_meets_once_at_its_end(tmp_path: Path)
     assert not store.has_md5_cuts(budget)
 
 
+def test_a_stage_asks_the_state_file_once_whether_md5_keyed_cuts_remain(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The question scans every cut kept under the budget: asked per slice, a night of 20
+    slices scanned them 20 times."""
+    budget = chunk.budget_key(100, 0, "o200k_base")
+    store = Store(tmp_path / "state.duckdb")
+    store.remember_chunk_cuts(budget, _old_md5_cut(), chunk.cut_recipe())
+    asked: list[str] = []
+    real = store.has_md5_cuts
+    monkeypatch.setattr(store, "has_md5_cuts", lambda b: asked.append(b) or real(b))
+    cuts = chunk.RunCuts(store)
+    for word in ("tick", "tock", "tack"):
+        chunk_units(
+            pl.DataFrame({"source_id": [word], "text": [f"{word} " * 300]}),
+            max_tokens=100,
+            memo=cuts,
+        )
+    units = chunk_units(
+        pl.DataFrame({"source_id": ["a"], "text": [OLD_CUT_TEXT]}), max_tokens=100, memo=cuts
+    )
+    assert units.sort("chunk_index")["text"].to_list() == OLD_CUT_PIECES  # still found by md5
+    assert asked == [budget]
+
+
 def _refused(values: pl.Series) -> pl.Series:
     raise AssertionError("an md5 was computed where no cut is keyed by one")
 
