@@ -76,8 +76,12 @@ def with_progress(call, flow_module: str, warm_ups=()):  # noqa: ANN001, ANN202 
             if not reported:
                 from lowtide.orchestration import in_process, without_prefect
 
-                without_prefect()  # the flow's module, imported by `call`, makes plain stages
-                with in_process(settings.stage_timings), _terminate_as_interrupt():
+                # the flow's module, imported by `call`, makes plain stages
+                with (
+                    without_prefect(),
+                    in_process(settings.stage_timings),
+                    _terminate_as_interrupt(),
+                ):
                     return call()
             from lowtide.prefect_server import start_tied_server
 

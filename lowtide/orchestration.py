@@ -10,7 +10,7 @@ to `lowtide.stages` (and, with LOWTIDE_STAGE_TIMINGS, to a file: the benchmark's
 seconds). Outside `in_process()` these are Prefect's own flows and tasks, unchanged.
 
 Importing Prefect costs ~0.8 s of CPU that such a run never uses. So the CLI's in-process path
-says `without_prefect()` before it imports a flow, and the flows and tasks made from then on are
+runs the flow inside `without_prefect()`, and the flows and tasks its import makes are
 plain callables (`PlainStage`, `PlainPipeline`) that build Prefect's own task or flow only when
 called outside `in_process()`. Made any other way (a deployment's entrypoint, a test, a worker),
 they are Prefect's own from the start (`lowtide.prefect_stages`).
@@ -37,7 +37,7 @@ _IN_PROCESS: ContextVar[bool] = ContextVar("lowtide_in_process", default=False)
 _TIMINGS: ContextVar[Path | None] = ContextVar("lowtide_stage_timings", default=None)
 _log = logging.getLogger("lowtide.stages")
 _PLAIN = [False]
-"""Set by `without_prefect()`: flows and tasks made from then on are plain callables."""
+"""Set inside `without_prefect()`: flows and tasks made there are plain callables."""
 
 
 @contextmanager
@@ -64,11 +64,17 @@ def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
     return False
 
 
-def without_prefect() -> None:
-    """Flows and tasks made from now on in this process (their modules imported after this
-    call) are plain callables, so running them in-process never imports Prefect. Called by the
-    CLI when it runs a flow in-process, before it imports the flow."""
+@contextmanager
+def without_prefect() -> Iterator[None]:
+    """Flows and tasks made inside (their modules first imported inside) are plain callables,
+    so running them in-process never imports Prefect. The CLI runs a flow in-process inside it;
+    a module imported once stays as it was made."""
+    before = _PLAIN[0]
     _PLAIN[0] = True
+    try:
+        yield
+    finally:
+        _PLAIN[0] = before
 
 
 def in_process_now() -> bool:
@@ -117,7 +123,7 @@ def call_flow(pipeline: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
 
 
 class PlainStage:
-    """A task made after `without_prefect()`: inside `in_process()` a plain call of its
+    """A task made inside `without_prefect()`: inside `in_process()` a plain call of its
     function (`call_task`); elsewhere Prefect's own task, built at its first such call (`prefect`),
     which also answers for any attribute this class does not have."""
 
@@ -148,11 +154,13 @@ class PlainStage:
         return self.prefect(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # not Prefect's to answer (and `_prefect` itself, unset)
+            raise AttributeError(name)
         return getattr(self.prefect, name)
 
 
 class PlainPipeline:
-    """A flow made after `without_prefect()`: inside `in_process()` a plain call of its
+    """A flow made inside `without_prefect()`: inside `in_process()` a plain call of its
     function (`call_flow`); elsewhere Prefect's own flow, built at its first such call."""
 
     def __init__(self, fn: Callable[..., Any], options: dict[str, Any]) -> None:
@@ -178,12 +186,14 @@ class PlainPipeline:
         return self.prefect(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # not Prefect's to answer (and `_prefect` itself, unset)
+            raise AttributeError(name)
         return getattr(self.prefect, name)
 
 
 def task(**options: Any) -> Callable[[Callable[..., Any]], Any]:
     """`prefect.task` with the same options: Prefect's own task that runs in-process as a plain
-    call (`lowtide.prefect_stages.Stage`), or after `without_prefect()` a `PlainStage`."""
+    call (`lowtide.prefect_stages.Stage`), or inside `without_prefect()` a `PlainStage`."""
     if _PLAIN[0]:
         return lambda fn: PlainStage(fn, options)
     from lowtide.prefect_stages import Stage
@@ -193,7 +203,7 @@ def task(**options: Any) -> Callable[[Callable[..., Any]], Any]:
 
 def flow(**options: Any) -> Callable[[Callable[..., Any]], Any]:
     """`prefect.flow` with the same options: Prefect's own flow that runs in-process as a plain
-    call (`lowtide.prefect_stages.Pipeline`), or after `without_prefect()` a `PlainPipeline`."""
+    call (`lowtide.prefect_stages.Pipeline`), or inside `without_prefect()` a `PlainPipeline`."""
     if _PLAIN[0]:
         return lambda fn: PlainPipeline(fn, options)
     from lowtide.prefect_stages import Pipeline

@@ -1,6 +1,6 @@
 """Flows and tasks inside `in_process()`: plain calls, no Prefect context, a task's retries on
 transient provider errors kept, and timings written; outside it they are Prefect's own. Made
-after `without_prefect()` they are plain callables that behave the same."""
+inside `without_prefect()` they are plain callables that behave the same."""
 
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def test_outside_in_process_they_run_through_prefect() -> None:
 
 
 def _plain_pair() -> tuple[Any, Any]:
-    """A flow around a task, made as after `without_prefect()` (the flag is the caller's)."""
+    """A flow around a task (made inside `without_prefect()` by the callers)."""
 
     @task(
         name="plain",
@@ -133,12 +133,13 @@ def _plain_pair() -> tuple[Any, Any]:
     return plain, plain_outer
 
 
-def test_made_after_without_prefect_they_are_plain_and_run_in_process_as_before(
+def test_made_inside_without_prefect_they_are_plain_and_run_in_process_as_before(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(orchestration, "_PLAIN", [False])
-    orchestration.without_prefect()
-    plain, plain_outer = _plain_pair()
+    with orchestration.without_prefect():
+        plain, plain_outer = _plain_pair()
+    assert not isinstance(task(name="after")(lambda: None), orchestration.PlainStage)
     assert not isinstance(plain, Task) and not isinstance(plain_outer, Flow)
     assert plain.name == "plain" and plain.retries == 1 and plain_outer.name == "plain-outer"
     calls.clear()
@@ -159,10 +160,8 @@ def test_made_after_without_prefect_they_are_plain_and_run_in_process_as_before(
 
 
 @pytest.mark.usefixtures("prefect_harness")
-def test_plain_ones_called_outside_in_process_run_through_prefect(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(orchestration, "_PLAIN", [True])
-    plain, plain_outer = _plain_pair()
+def test_plain_ones_called_outside_in_process_run_through_prefect() -> None:
+    with orchestration.without_prefect():
+        plain, plain_outer = _plain_pair()
     assert plain_outer("g", []) == ("done g", True, True)  # Prefect's flow and task runs
     assert isinstance(plain.prefect, Task) and isinstance(plain_outer.prefect, Flow)
