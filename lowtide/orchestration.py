@@ -122,73 +122,73 @@ def call_flow(pipeline: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
         return pipeline.fn(*args, **kwargs)
 
 
-class PlainStage:
-    """A task made inside `without_prefect()`: inside `in_process()` a plain call of its
-    function (`call_task`); elsewhere Prefect's own task, built at its first such call (`prefect`),
-    which also answers for any attribute this class does not have."""
+class _Plain:
+    """A flow or task made inside `without_prefect()`: inside `in_process()` a plain call of
+    its function (`_call_plain`); elsewhere Prefect's own (`prefect`, built at its first such
+    call), which also answers for any public attribute this object does not have."""
+
+    _KIND = ""
+    """Its Prefect class, in `lowtide.prefect_stages`."""
 
     def __init__(self, fn: Callable[..., Any], options: dict[str, Any]) -> None:
         self.fn = fn
         self.options = options
         self.name: str = options.get("name") or fn.__name__
+        self._prefect: Any = None
+        functools.update_wrapper(self, fn)
+
+    @property
+    def prefect(self) -> Any:
+        """Prefect's own task or flow for the same function and options."""
+        if self._prefect is None:
+            from lowtide import prefect_stages
+
+            self._prefect = getattr(prefect_stages, self._KIND)(self.fn, **self.options)
+        return self._prefect
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _IN_PROCESS.get():
+            return self._call_plain(args, kwargs)
+        return self.prefect(*args, **kwargs)
+
+    def _call_plain(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # not Prefect's to answer (and `_prefect` itself, unset)
+            raise AttributeError(name)
+        return getattr(self.prefect, name)
+
+
+class PlainStage(_Plain):
+    """A task made inside `without_prefect()` (`_Plain`), its retries as Prefect's task has
+    them."""
+
+    _KIND = "Stage"
+
+    def __init__(self, fn: Callable[..., Any], options: dict[str, Any]) -> None:
+        super().__init__(fn, options)
         self.task_run_name = options.get("task_run_name")
         self.retries: int = options.get("retries") or 0
         self.retry_delay_seconds = options.get("retry_delay_seconds", 0)
         self.retry_jitter_factor = options.get("retry_jitter_factor")
         self.retry_condition_fn = options.get("retry_condition_fn")
-        self._prefect: Any = None
-        functools.update_wrapper(self, fn)
 
-    @property
-    def prefect(self) -> Any:
-        """Prefect's own task for the same function and options."""
-        if self._prefect is None:
-            from lowtide.prefect_stages import Stage
-
-            self._prefect = Stage(self.fn, **self.options)
-        return self._prefect
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _IN_PROCESS.get():
-            return call_task(self, args, kwargs)
-        return self.prefect(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):  # not Prefect's to answer (and `_prefect` itself, unset)
-            raise AttributeError(name)
-        return getattr(self.prefect, name)
+    def _call_plain(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return call_task(self, args, kwargs)
 
 
-class PlainPipeline:
-    """A flow made inside `without_prefect()`: inside `in_process()` a plain call of its
-    function (`call_flow`); elsewhere Prefect's own flow, built at its first such call."""
+class PlainPipeline(_Plain):
+    """A flow made inside `without_prefect()` (`_Plain`)."""
+
+    _KIND = "Pipeline"
 
     def __init__(self, fn: Callable[..., Any], options: dict[str, Any]) -> None:
-        self.fn = fn
-        self.options = options
-        self.name: str = options.get("name") or fn.__name__
+        super().__init__(fn, options)
         self.flow_run_name = options.get("flow_run_name")
-        self._prefect: Any = None
-        functools.update_wrapper(self, fn)
 
-    @property
-    def prefect(self) -> Any:
-        """Prefect's own flow for the same function and options."""
-        if self._prefect is None:
-            from lowtide.prefect_stages import Pipeline
-
-            self._prefect = Pipeline(self.fn, **self.options)
-        return self._prefect
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _IN_PROCESS.get():
-            return call_flow(self, args, kwargs)
-        return self.prefect(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):  # not Prefect's to answer (and `_prefect` itself, unset)
-            raise AttributeError(name)
-        return getattr(self.prefect, name)
+    def _call_plain(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return call_flow(self, args, kwargs)
 
 
 def task(**options: Any) -> Callable[[Callable[..., Any]], Any]:
