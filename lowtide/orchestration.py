@@ -36,7 +36,7 @@ from lowtide.errors import TransientBackendError
 _IN_PROCESS: ContextVar[bool] = ContextVar("lowtide_in_process", default=False)
 _TIMINGS: ContextVar[Path | None] = ContextVar("lowtide_stage_timings", default=None)
 _log = logging.getLogger("lowtide.stages")
-_PLAIN = [False]
+_PLAIN: ContextVar[bool] = ContextVar("lowtide_plain_stages", default=False)
 """Set inside `without_prefect()`: flows and tasks made there are plain callables."""
 
 
@@ -69,12 +69,11 @@ def without_prefect() -> Iterator[None]:
     """Flows and tasks made inside (their modules first imported inside) are plain callables,
     so running them in-process never imports Prefect. The CLI runs a flow in-process inside it;
     a module imported once stays as it was made."""
-    before = _PLAIN[0]
-    _PLAIN[0] = True
+    token = _PLAIN.set(True)
     try:
         yield
     finally:
-        _PLAIN[0] = before
+        _PLAIN.reset(token)
 
 
 def in_process_now() -> bool:
@@ -194,7 +193,7 @@ class PlainPipeline(_Plain):
 def task(**options: Any) -> Callable[[Callable[..., Any]], Any]:
     """`prefect.task` with the same options: Prefect's own task that runs in-process as a plain
     call (`lowtide.prefect_stages.Stage`), or inside `without_prefect()` a `PlainStage`."""
-    if _PLAIN[0]:
+    if _PLAIN.get():
         return lambda fn: PlainStage(fn, options)
     from lowtide.prefect_stages import Stage
 
@@ -204,7 +203,7 @@ def task(**options: Any) -> Callable[[Callable[..., Any]], Any]:
 def flow(**options: Any) -> Callable[[Callable[..., Any]], Any]:
     """`prefect.flow` with the same options: Prefect's own flow that runs in-process as a plain
     call (`lowtide.prefect_stages.Pipeline`), or inside `without_prefect()` a `PlainPipeline`."""
-    if _PLAIN[0]:
+    if _PLAIN.get():
         return lambda fn: PlainPipeline(fn, options)
     from lowtide.prefect_stages import Pipeline
 

@@ -134,9 +134,8 @@ def _plain_pair() -> tuple[Any, Any]:
 
 
 def test_made_inside_without_prefect_they_are_plain_and_run_in_process_as_before(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
-    monkeypatch.setattr(orchestration, "_PLAIN", [False])
     with orchestration.without_prefect():
         plain, plain_outer = _plain_pair()
     assert not isinstance(task(name="after")(lambda: None), orchestration.PlainStage)
