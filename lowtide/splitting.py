@@ -32,7 +32,7 @@ from lowtide.tokens import (
     slices_are_clean,
 )
 
-_EDGE_TOKENS = 2
+EDGE_TOKENS = 2
 """Headroom below the budget: a piece cut mid-word is re-encoded, and can merge differently at
 its edges."""
 
@@ -90,6 +90,11 @@ _LONGEST_SEGMENT = 16 * _SEGMENT_CHARS
 """A text with no clean cut for this long (no spaces, or none after ASCII: CJK, Cyrillic) is
 cut by `_encoded_spans`, which handles cuts mid-word."""
 
+LONGEST_CLEAN_GAP = _LONGEST_SEGMENT - _SEGMENT_CHARS
+"""A text whose clean places all lie at most this far apart is always cut by `_segment_spans`
+(a segment then ends within `_LONGEST_SEGMENT` of its start): `lowtide.word_counts` cuts only
+such texts, the same way."""
+
 
 def _segment_starts(text: str) -> list[int] | None:
     """Clean places (a space after a printable ASCII character) about `_SEGMENT_CHARS` apart,
@@ -124,7 +129,7 @@ def _segment_spans(text: str, max_tokens: int, encoding: str) -> list[tuple[int,
     n = before[-1]
     if n <= max_tokens:
         return [(0, len(text), n)]
-    window = max(1, max_tokens - _EDGE_TOKENS)
+    window = max(1, max_tokens - EDGE_TOKENS)
     reach = max(8, window // 8)
     spans: list[tuple[int, int, int]] = []
     start_tok = start_char = 0
@@ -188,7 +193,7 @@ def _encoded_spans(
     # are not the whole text's there: every piece of it is then counted on its own
     exact = slices_are_clean(text)
     cuts = _clean_cuts(data, offsets) if exact else []
-    window = max(1, max_tokens - _EDGE_TOKENS)
+    window = max(1, max_tokens - EDGE_TOKENS)
     reach = max(8, window // 8)  # how far back from the budget to look for a clean cut
     spans: list[tuple[int, int, int]] = []
     start_tok, a, clean_start = 0, 0, exact

@@ -27,7 +27,7 @@ tokenizes nothing tonight does not pay for the tokenizer."""
 # bpe-openai refuses one very long input; longer texts are encoded in slices, each cut before a
 # space that follows a non-space character: no pre-token crosses such a position, so the slices'
 # tokens are the whole text's (lowtide.splitting relies on it).
-_SLICE_CHARS = 50_000
+SLICE_CHARS = 50_000
 
 
 @lru_cache(maxsize=8)
@@ -38,13 +38,13 @@ def get_encoding(name: str = DEFAULT_ENCODING):
 
 
 def _slices(text: str) -> list[str]:
-    if len(text) <= _SLICE_CHARS:
+    if len(text) <= SLICE_CHARS:
         return [text]
     out, start = [], 0
     while start < len(text):
-        end = min(start + _SLICE_CHARS, len(text))
+        end = min(start + SLICE_CHARS, len(text))
         if end < len(text):
-            low = start + _SLICE_CHARS // 2
+            low = start + SLICE_CHARS // 2
             cut = text.rfind(" ", low, end)
             while cut > 0 and text[cut - 1].isspace():
                 cut = text.rfind(" ", low, cut)
@@ -57,7 +57,7 @@ def _slices(text: str) -> list[str]:
 def slices_are_clean(text: str) -> bool:
     """Whether `encode` cut `text` only before a space that follows a non-space character, so
     that its tokens are exactly the whole text's (always, for a text of one slice)."""
-    if len(text) <= _SLICE_CHARS:
+    if len(text) <= SLICE_CHARS:
         return True
     at = 0
     for part in _slices(text)[:-1]:
@@ -93,7 +93,7 @@ def count_within(text: str, limit: int, encoding: str = DEFAULT_ENCODING) -> int
     own counter builds no list of ids: over the long texts of a real input it took two thirds
     of the CPU of counting `encode`'s ids (a test keeps the two counts equal). A text of
     several slices, or with characters UTF-8 cannot hold, is counted the long way."""
-    counter = _compiled(encoding, "count_till_limit") if len(text) <= _SLICE_CHARS else None
+    counter = _compiled(encoding, "count_till_limit") if len(text) <= SLICE_CHARS else None
     if counter is not None:
         try:
             return counter(text, limit)
@@ -107,13 +107,32 @@ def count_clean(text: str, encoding: str = DEFAULT_ENCODING) -> int:
     """The number of tokens in `text`, by the tokenizer's counter when it can (a text of one
     slice, all of it UTF-8): no list of ids is built (over the long texts of a real input,
     counting took four fifths of encoding's CPU)."""
-    counter = _compiled(encoding, "count") if len(text) <= _SLICE_CHARS else None
+    counter = _compiled(encoding, "count") if len(text) <= SLICE_CHARS else None
     if counter is not None:
         try:
             return counter(text)
         except UnicodeEncodeError:
             pass
     return count_tokens(text, encoding)
+
+
+def counter(encoding: str = DEFAULT_ENCODING) -> Callable[[str], int]:
+    """`count_clean` for one encoding, as one function looked up once: for callers that count
+    many short texts (`lowtide.word_counts`), where looking up the tokenizer cost as much as
+    counting a word."""
+    compiled = _compiled(encoding, "count")
+    if compiled is None:
+        return lambda text: count_clean(text, encoding)
+
+    def count(text: str) -> int:
+        if len(text) > SLICE_CHARS:
+            return count_clean(text, encoding)
+        try:
+            return compiled(text)
+        except UnicodeEncodeError:
+            return count_tokens(text, encoding)
+
+    return count
 
 
 def count_tokens(text: str, encoding: str = DEFAULT_ENCODING) -> int:

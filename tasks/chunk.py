@@ -1,8 +1,9 @@
 """chunk: rows → units (unit_id = source_id + '#' + chunk number), each within the token budget.
 
 A token is at least one byte, so a text of at most `max_tokens` UTF-8 bytes always fits: only
-longer texts are tokenized, and cut between words where they can be (`lowtide.splitting`); the
-chunks of a row (without overlap) concatenate to the row's exact text.
+longer texts are counted (most by the counts of their words, `lowtide.word_counts`), and cut
+between words where they can be (`lowtide.splitting`); the chunks of a row (without overlap)
+concatenate to the row's exact text.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from lowtide.runlog import stage_log
 from lowtide.slices import by_slices, file_slices
 from lowtide.splitting import split_spans
 from lowtide.store.chunk_cuts import CUTS_SCHEMA
+from lowtide.word_counts import SPAN_COLUMNS, WordCounts
 from tasks.carry import unchanged_rows
 from tasks.dedupe import CUSTOM_ID_VERSION, Keyer
 
@@ -144,10 +146,12 @@ def long_text_cuts(
     overlap: int,
     encoding: str,
     memo: CutMemo | None = None,
+    words: WordCounts | None = None,
 ) -> pl.DataFrame:
     """starts, lengths, tokens (lists, one entry per piece) for each text, in order. Each
-    distinct text is tokenized once; with a memo, only texts it has never cut under this
-    budget are, and their cuts are remembered."""
+    distinct text is cut once; with a memo, only texts it has never cut under this budget
+    are, and their cuts are remembered. `words`: the word counts learned so far this stage
+    (a fresh one otherwise)."""
     budget = budget_key(max_tokens, overlap, encoding)
     texts_by_key = pl.DataFrame({"text_key": text_key(texts), "text": texts})
     known = memo.chunk_cuts(budget, texts_by_key["text_key"]) if memo else None
@@ -158,21 +162,19 @@ def long_text_cuts(
     if memo is not None and todo.height and memo.has_md5_cuts(budget):
         rekeyed = _md5_cuts(memo, budget, todo)
         todo = todo.join(rekeyed.select("text_key"), on="text_key", how="anti")
-    # one flat row per piece, gathered into lists by polars (nested Python lists build a
-    # Series per text)
-    owner: list[int] = []
-    pieces: list[tuple[int, int, int]] = []
     todo_texts = todo["text"]
-    for offset in range(0, todo_texts.len(), _SLICE_ROWS):
-        # a slice at a time: a million long texts as Python strings would double their memory
-        for i, text in enumerate(todo_texts.slice(offset, _SLICE_ROWS).to_list(), start=offset):
-            spans = split_spans(text, max_tokens, overlap, encoding)
-            owner.extend([i] * len(spans))
-            pieces.extend(spans)
-    flat = pl.DataFrame(pieces, schema=["starts", "lengths", "tokens"], orient="row").cast(pl.Int32)
+    # without overlap, most texts are counted by their words (`lowtide.word_counts`); the
+    # others are cut one by one
+    if overlap == 0:
+        if words is None or words.encoding != encoding:
+            words = WordCounts(encoding)
+        flat, left = words.spans(todo_texts, max_tokens)
+    else:
+        flat, left = pl.DataFrame(schema=SPAN_COLUMNS), list(range(todo_texts.len()))
+    each = _cut_each(todo_texts, left, max_tokens=max_tokens, overlap=overlap, encoding=encoding)
+    flat = pl.concat([flat, each]).sort("i", "starts")
     fresh = (
-        flat.with_columns(pl.Series("i", owner, dtype=pl.UInt32))
-        .group_by("i", maintain_order=True)
+        flat.group_by("i", maintain_order=True)
         .agg("starts", "lengths", "tokens")
         .join(todo.select("text_key").with_row_index("i"), on="i", how="right")
         .select(list(CUTS_SCHEMA))
@@ -186,6 +188,25 @@ def long_text_cuts(
     return texts_by_key.join(every, on="text_key", how="left", maintain_order="left").select(
         "starts", "lengths", "tokens"
     )
+
+
+def _cut_each(
+    texts: pl.Series, at: list[int], *, max_tokens: int, overlap: int, encoding: str
+) -> pl.DataFrame:
+    """The pieces of the texts at `at` (SPAN_COLUMNS rows), each cut by `split_spans`."""
+    # one flat row per piece, gathered into lists by polars (nested Python lists build a
+    # Series per text)
+    owner: list[int] = []
+    pieces: list[tuple[int, int, int]] = []
+    for offset in range(0, len(at), _SLICE_ROWS):
+        # a slice at a time: a million long texts as Python strings would double their memory
+        some = at[offset : offset + _SLICE_ROWS]
+        for i, text in zip(some, texts.gather(some).to_list(), strict=True):
+            spans = split_spans(text, max_tokens, overlap, encoding)
+            owner.extend([i] * len(spans))
+            pieces.extend(spans)
+    flat = pl.DataFrame(pieces, schema=["starts", "lengths", "tokens"], orient="row")
+    return flat.select(pl.Series("i", owner), pl.all()).cast(SPAN_COLUMNS)  # type: ignore[arg-type]
 
 
 def _md5_cuts(memo: CutMemo, budget: str, todo: pl.DataFrame) -> pl.DataFrame:
@@ -210,12 +231,14 @@ def chunk_units(
     encoding: str = "o200k_base",
     kind: str = "row",
     memo: CutMemo | None = None,
+    words: WordCounts | None = None,
 ) -> pl.DataFrame:
     """(source_id, text, …) → units (unit_id, source_id, kind, chunk_index, n_chunks, text, …).
 
     Rows whose text fits the budget in bytes pass through untouched (vectorised); only the long
-    tail is tokenized, and with a memo only the texts no earlier run cut. Null or
-    whitespace-only text becomes an empty unit, which is never sent and fails with a reason.
+    tail is counted, and with a memo only the texts no earlier run cut (`words`: the word
+    counts this stage learned, `long_text_cuts`). Null or whitespace-only text becomes an
+    empty unit, which is never sent and fails with a reason.
     """
     # no character but whitespace (Unicode's, as strip_chars has it); found without a stripped
     # copy of every text (1.1 -> 0.2 s of CPU at a million rows)
@@ -232,7 +255,12 @@ def chunk_units(
     long_rows = rows.filter(long_mask)
     if long_rows.height:
         cuts = long_text_cuts(
-            long_rows["text"], max_tokens=max_tokens, overlap=overlap, encoding=encoding, memo=memo
+            long_rows["text"],
+            max_tokens=max_tokens,
+            overlap=overlap,
+            encoding=encoding,
+            memo=memo,
+            words=words,
         )
         if mode == "truncate":
             cuts = cuts.with_columns(pl.all().list.head(1))
@@ -279,7 +307,12 @@ def job_units(
     return pl.concat(parts, how="diagonal_relaxed")
 
 
-def eval_units(job: JobSpec, evals: pl.DataFrame, memo: CutMemo | None = None) -> pl.DataFrame:
+def eval_units(
+    job: JobSpec,
+    evals: pl.DataFrame,
+    memo: CutMemo | None = None,
+    words: WordCounts | None = None,
+) -> pl.DataFrame:
     """The eval set's rows without their gold columns, truncated to one unit each
     (`kind = 'eval'`)."""
     c = job.chunk
@@ -293,6 +326,7 @@ def eval_units(job: JobSpec, evals: pl.DataFrame, memo: CutMemo | None = None) -
         encoding=c.encoding,
         kind="eval",
         memo=memo,
+        words=words,
     )
 
 
@@ -322,6 +356,7 @@ def chunk_task(ctx: RunContext, run_id: str, loaded: dict) -> dict:
         carried.source_ids.write_parquet(out["carried"])
 
     cuts = RunCuts(ctx.store)  # later slices reuse earlier slices' cuts
+    words = WordCounts(c.encoding)  # and the words they counted
 
     def units_of(rows: pl.DataFrame) -> pl.DataFrame:
         return chunk_units(
@@ -331,6 +366,7 @@ def chunk_task(ctx: RunContext, run_id: str, loaded: dict) -> dict:
             mode=c.mode,
             encoding=c.encoding,
             memo=cuts,
+            words=words,
         )
 
     # each slice's units are keyed at once, for dedupe: never written to a file of their own
@@ -346,7 +382,7 @@ def chunk_task(ctx: RunContext, run_id: str, loaded: dict) -> dict:
         del units
     evals = pl.read_parquet(loaded["eval"]) if loaded.get("eval") else None
     if evals is not None:
-        keyer.add(eval_units(job, evals, memo=cuts))
+        keyer.add(eval_units(job, evals, memo=cuts, words=words))
     out.update(keyer.close())
     cuts.remember()
     stage_log(
