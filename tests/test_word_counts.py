@@ -59,9 +59,12 @@ TEXTS = st.lists(
 def test_word_counts_cut_as_split_spans_does(texts: list[str], budget: int, encoding: str) -> None:
     # leading, trailing and doubled spaces, spaces after whitespace and after non-ASCII
     # characters (stretches of several words), texts that fit and texts cut many times
-    assert word_spans(texts, budget, encoding) == [
-        split_spans(t, budget, 0, encoding) for t in texts
-    ]
+    counts = WordCounts(encoding)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(word_counts, "_MOST_NEW", 1.0)  # a few short texts: most words are new
+        spans = word_spans(texts, budget, encoding, counts)
+    assert not counts.off
+    assert spans == [split_spans(t, budget, 0, encoding) for t in texts]
 
 
 def test_words_met_in_earlier_slices_are_not_counted_again(
@@ -71,6 +74,7 @@ def test_words_met_in_earlier_slices_are_not_counted_again(
     # overlapping words; no text starts with a space, so only words are counted after one
     texts = [" ".join(messages[i : i + 12]) for i in range(0, 360, 3)]
     monkeypatch.setattr(word_counts, "_SLICE_TEXTS", 20)
+    monkeypatch.setattr(word_counts, "_MOST_NEW", 1.0)  # a small sample's words are mostly new
     counts = WordCounts("o200k_base")
     counted: list[str] = []
     real = counts._count
@@ -124,6 +128,8 @@ def test_texts_of_words_that_never_repeat_go_to_the_tokenizer() -> None:
     ],
 )
 def test_texts_left_to_split_spans_are_cut_by_it(text: str) -> None:
-    spans = word_spans([text, "a short one " * 30], 400, "o200k_base")
+    counts = WordCounts("o200k_base")
+    spans = word_spans([text, "a short one " * 30], 400, "o200k_base", counts)
+    assert not counts.off
     assert spans == [split_spans(t, 400, 0, "o200k_base") for t in (text, "a short one " * 30)]
     assert all(tokens == count_tokens(text[s : s + n]) for s, n, tokens in spans[0])
