@@ -57,7 +57,8 @@ class WordCounts:
     def __init__(self, encoding: str) -> None:
         self.encoding = encoding
         self._count: Callable[[str], int] = counter(encoding)
-        # the tokens of " " + word: every word but a text's first follows a clean space
+        # the tokens of " " + a stretch's text (looked up by its hash): every stretch but a
+        # text's first follows a clean place
         self._known = pl.DataFrame(schema={"h": pl.UInt64, "known": pl.String, "n": pl.UInt32})
         self.off = False
 
@@ -98,7 +99,7 @@ class WordCounts:
             .select("i", pl.lit(0).alias("starts"), pl.col("chars").alias("lengths"), "tokens")
             .cast(SPAN_COLUMNS)  # type: ignore[arg-type]
         )
-        over = ends.filter(pl.col("tokens") > max_tokens)
+        over = ends.filter(pl.col("tokens") > max_tokens).sort("i")  # `_cut` searches it
         cut, cut_left = _cut(words.filter(pl.col("i").is_in(over["i"].implode())), over, max_tokens)
         return pl.concat([whole, cut]), sorted(left + cut_left)
 
@@ -180,8 +181,8 @@ def _words(frame: pl.DataFrame) -> pl.DataFrame:
 def _cut(
     words: pl.DataFrame, ends: pl.DataFrame, max_tokens: int
 ) -> tuple[pl.DataFrame, list[int]]:
-    """Pieces of the texts over the budget (`ends`: i, chars, tokens; `words`: theirs, with
-    `n`), each ending at the last clean place within it, as `splitting._segment_spans` cuts,
+    """Pieces of the texts over the budget (`ends`: i, chars, tokens, sorted by i; `words`:
+    theirs, in order, with `n`), each ending at the last clean place within it, as `splitting._segment_spans` cuts,
     all texts a piece at a time; the texts it would leave to `_encoded_spans` are left."""
     if not words.height:
         return pl.DataFrame(schema=SPAN_COLUMNS), []
