@@ -93,10 +93,10 @@ def count_within(text: str, limit: int, encoding: str = DEFAULT_ENCODING) -> int
     own counter builds no list of ids: over the long texts of a real input it took two thirds
     of the CPU of counting `encode`'s ids (a test keeps the two counts equal). A text of
     several slices, or with characters UTF-8 cannot hold, is counted the long way."""
-    counter = _compiled(encoding, "count_till_limit") if len(text) <= SLICE_CHARS else None
-    if counter is not None:
+    within = _compiled(encoding, "count_till_limit") if len(text) <= SLICE_CHARS else None
+    if within is not None:
         try:
-            return counter(text, limit)
+            return within(text, limit)
         except UnicodeEncodeError:
             pass
     n = count_tokens(text, encoding)
@@ -107,30 +107,23 @@ def count_clean(text: str, encoding: str = DEFAULT_ENCODING) -> int:
     """The number of tokens in `text`, by the tokenizer's counter when it can (a text of one
     slice, all of it UTF-8): no list of ids is built (over the long texts of a real input,
     counting took four fifths of encoding's CPU)."""
-    counter = _compiled(encoding, "count") if len(text) <= SLICE_CHARS else None
-    if counter is not None:
-        try:
-            return counter(text)
-        except UnicodeEncodeError:
-            pass
-    return count_tokens(text, encoding)
+    return counter(encoding)(text)
 
 
+@lru_cache(maxsize=8)
 def counter(encoding: str = DEFAULT_ENCODING) -> Callable[[str], int]:
-    """`count_clean` for one encoding, as one function looked up once: for callers that count
-    many short texts (`lowtide.word_counts`), where looking up the tokenizer cost as much as
-    counting a word."""
+    """`count_clean` for one encoding, the tokenizer looked up once: for callers that count
+    many short texts (`lowtide.word_counts`), where looking it up cost as much as counting a
+    word."""
     compiled = _compiled(encoding, "count")
-    if compiled is None:
-        return lambda text: count_clean(text, encoding)
 
     def count(text: str) -> int:
-        if len(text) > SLICE_CHARS:
-            return count_clean(text, encoding)
-        try:
-            return compiled(text)
-        except UnicodeEncodeError:
-            return count_tokens(text, encoding)
+        if compiled is not None and len(text) <= SLICE_CHARS:
+            try:
+                return compiled(text)
+            except UnicodeEncodeError:
+                pass
+        return count_tokens(text, encoding)
 
     return count
 

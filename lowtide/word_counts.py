@@ -28,7 +28,7 @@ from collections.abc import Callable
 import numpy as np
 import polars as pl
 
-from lowtide.splitting import EDGE_TOKENS, LONGEST_CLEAN_GAP, split_spans
+from lowtide.splitting import EDGE_TOKENS, LONGEST_CLEAN_GAP
 from lowtide.tokens import SLICE_CHARS, counter
 
 _SLICE_TEXTS = 5_000
@@ -82,9 +82,10 @@ class WordCounts:
 
     def _slice_spans(self, texts: pl.Series, max_tokens: int) -> tuple[pl.DataFrame, list[int]]:
         frame = pl.DataFrame({"t": texts}).with_row_index("i")
-        fits = pl.col("t").str.len_chars() <= SLICE_CHARS
+        frame = frame.with_columns(pl.col("t").str.len_chars().alias("chars"))
+        fits = pl.col("chars") <= SLICE_CHARS
         left = frame.filter(~fits)["i"].to_list()
-        frame = frame.filter(fits).select("i", pl.col("t").str.len_chars().alias("chars"), "t")
+        frame = frame.filter(fits)
         words = _words(frame)
         tokens = self._word_tokens(words)
         if tokens is None:
@@ -248,18 +249,3 @@ def _within_text(column: pl.Expr) -> pl.Expr:
     """The running sum of `column` before each word, from its text's first word."""
     before = column.cum_sum() - column
     return before - pl.when(pl.col("f")).then(before).forward_fill()
-
-
-def word_spans(
-    texts: list[str], max_tokens: int, encoding: str, words: WordCounts | None = None
-) -> list[list[tuple[int, int, int]]]:
-    """`split_spans(text, max_tokens, 0, encoding)` for each text, most of them counted by
-    their words (a fresh `WordCounts` unless one is given)."""
-    counts = words or WordCounts(encoding)
-    spans, left = counts.spans(pl.Series(texts, dtype=pl.String), max_tokens)
-    out: list[list[tuple[int, int, int]]] = [[] for _ in texts]
-    for i, start, length, tokens in spans.sort("i", "starts").iter_rows():
-        out[i].append((start, length, tokens))
-    for i in left:
-        out[i] = split_spans(texts[i], max_tokens, 0, encoding)
-    return out

@@ -12,9 +12,26 @@ from hypothesis import strategies as st
 from lowtide import word_counts
 from lowtide.splitting import split_spans
 from lowtide.tokens import count_tokens
-from lowtide.word_counts import WordCounts, word_spans
+from lowtide.word_counts import WordCounts
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def word_spans(
+    texts: list[str], max_tokens: int, encoding: str, words: WordCounts | None = None
+) -> list[list[tuple[int, int, int]]]:
+    """What `long_text_cuts` makes of `WordCounts.spans`, per text as `split_spans` gives it:
+    the texts it counted, then those it left, cut by `split_spans` (a fresh `WordCounts`
+    unless one is given)."""
+    counts = words or WordCounts(encoding)
+    spans, left = counts.spans(pl.Series(texts, dtype=pl.String), max_tokens)
+    out: list[list[tuple[int, int, int]]] = [[] for _ in texts]
+    for i, start, length, tokens in spans.sort("i", "starts").iter_rows():
+        out[i].append((start, length, tokens))
+    for i in left:
+        out[i] = split_spans(texts[i], max_tokens, 0, encoding)
+    return out
+
 
 PIECES = st.sampled_from(
     [
