@@ -13,8 +13,9 @@ scheduled `collect` flow reuses `advance` and `finish` for runs that stopped aft
 
 from __future__ import annotations
 
+import functools
 import shutil
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -44,7 +45,7 @@ from tasks.realtime import realtime_task
 from tasks.reconcile import reconcile_task
 from tasks.retry import retry_round_task
 from tasks.stream import stream_task
-from tasks.submit import prepare_lines_task, submit_task
+from tasks.submit import admit, prepare_lines_task, submit_task
 
 
 def _run_name() -> str:
@@ -125,12 +126,25 @@ def prepare(ctx: RunContext, run_id: str) -> None:
 
 def advance(ctx: RunContext, run_id: str, wait: bool, until: datetime | None = None) -> bool:
     """submit → poll → join → parse → retry round, until every request has its final outcome
-    (True) or, with wait=False, until what is left is in flight at the provider (False). With
-    `until` (a route step's end) it also stops there (False): no round starts past it."""
+    (True) or, with wait=False, until what is left is in flight at the provider or waits for
+    room there (False). With `until` (a route step's end) it also stops there (False): no
+    round starts past it. Batches the provider's queue has no room for wait, polled, until an
+    earlier batch ends (or the provider's `retry-after` passes), up to `[retry] deadline_hours`;
+    past it they end expired and take the stragglers' path."""
     while True:
-        send_pending(ctx, run_id)
-        ended = poll_task(ctx, run_id, wait, until)
+        waiting = send_pending(ctx, run_id)
+        if waiting and past_deadline(ctx, run_id):
+            expired = ctx.store.expire_unsent_batches(run_id, QUEUE_DEADLINE)
+            stage_log("submit", "%d batch(es) never found room before the deadline", expired)
+            waiting = False
+        room = functools.partial(next_batch_room, ctx, run_id) if waiting else None
+        stop = until if not waiting else earliest(until, deadline(ctx, run_id))
+        ended = poll_task(ctx, run_id, wait, stop, room)
         collect_ended(ctx, run_id)
+        if waiting:
+            if not wait or is_due(until):
+                return False
+            continue
         if not ended or is_due(until):
             return False
         if not retry_round_task(ctx, run_id):
@@ -170,9 +184,10 @@ def finish(ctx: RunContext, run_id: str) -> None:
         shutil.rmtree(ctx.work_dir(run_id), ignore_errors=True)
 
 
-def send_pending(ctx: RunContext, run_id: str) -> None:
+def send_pending(ctx: RunContext, run_id: str) -> bool:
     """Everything of the run not sent yet: realtime batches are answered now; provider batches
-    are submitted; a streaming backend's shards run through its pool to the end."""
+    are submitted as far as the provider's queue has room (True when some are left waiting for
+    it); a streaming backend's shards run through its pool to the end."""
     store = ctx.store
     pending_realtime = store.pending_realtime_batches(run_id)
     for batch_id in pending_realtime:
@@ -185,15 +200,48 @@ def send_pending(ctx: RunContext, run_id: str) -> None:
             stream_task(ctx, batch_id, run_id)
         sent = shards
     else:
-        sent = store.unsent_provider_batches(run_id)
+        unsent = store.unsent_provider_batches(run_id)
+        sent, why = admit(ctx, run_id) if unsent else ([], None)
         if len(sent) > 1:  # every batch's lines from one pass over the requests, not one each
             prepare_lines_task(ctx, run_id, sent)
         for i, batch_id in enumerate(sent):
             progress.report("submit", i, len(sent))
             submit_task(ctx, batch_id, run_id)
+        if why is not None:
+            stage_log("submit", "%d batch(es) wait for room: %s", len(unsent) - len(sent), why)
     if pending_realtime or sent:
         store.fold_reasks()
         store.mark_submitted(run_id)
+    return ctx.entry.mode == "batch" and bool(store.unsent_provider_batches(run_id))
+
+
+QUEUE_DEADLINE = (
+    "the provider's queue had no room for this batch before the job's [retry] deadline_hours"
+)
+
+
+def next_batch_room(ctx: RunContext, run_id: str) -> str | None:
+    """Why the run's next unsent batch must still wait for the provider's queue, or None."""
+    admitted, why = admit(ctx, run_id)
+    return None if admitted or not why else why
+
+
+def deadline(ctx: RunContext, run_id: str) -> datetime | None:
+    """When the run's `[retry] deadline_hours` ends (None without one)."""
+    hours = ctx.job.retry.deadline_hours
+    started = ctx.store.require_run(run_id).get("started_at")
+    if hours is None or started is None:
+        return None
+    return started + timedelta(hours=hours)  # naive UTC, as the store and `until` keep time
+
+
+def past_deadline(ctx: RunContext, run_id: str) -> bool:
+    return is_due(deadline(ctx, run_id))
+
+
+def earliest(*moments: datetime | None) -> datetime | None:
+    known = [m for m in moments if m is not None]
+    return min(known) if known else None
 
 
 def collect_ended(ctx: RunContext, run_id: str) -> None:

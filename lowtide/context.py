@@ -19,6 +19,7 @@ from lowtide.backends.base import Backend, Capabilities
 from lowtide.backends.keys import secret_from_block
 from lowtide.jobspec import JobSpec
 from lowtide.pricing import Price, load_price
+from lowtide.quota import QueueLimits, limits_from
 from lowtide.settings import Settings
 from lowtide.store import Store
 
@@ -72,6 +73,23 @@ class RunContext:
         path = Path(self.work_root) / run_id
         path.mkdir(parents=True, exist_ok=True)
         return path
+
+    def queue_limits(self) -> QueueLimits:
+        """The provider account's limits for this run's model: the job file's, else what the
+        provider taught an earlier batch (the state file), else the engine's own settings
+        (lowtide's emulator says its limits); None where unknown."""
+        values = {
+            **self._account_limits,
+            **self.store.provider_limits(self.backend, self.job.model.name),
+        }
+        configured = self.job.limits.get(self.backend)
+        if configured is not None:
+            values |= configured.model_dump(exclude_none=True)
+        return limits_from(values)
+
+    @cached_property
+    def _account_limits(self) -> dict[str, float]:
+        return self.entry.account_limits(self.connection)
 
     def batch_client(self) -> Backend:
         """The run's provider-batch client, built once: an SDK client costs ~50 ms of CPU to

@@ -22,6 +22,8 @@ POINTS = (
 )
 """The submit path's points (tests/integration/test_crash.py runs each on the emulator)."""
 
+QUEUE_POINTS = ("waiting_for_room",)  # batches sent, the next waits for the provider's queue
+
 POOL_POINTS = ("during_stream",)  # vllm backend: after a group of answers was committed
 
 PREPARE_POINTS = (
@@ -40,7 +42,14 @@ ROUND_POINTS = (
 
 PUBLISH_POINTS = ("mid_publish",)  # the run finished in the store, the published file not swapped
 
-ALL_POINTS = (*PREPARE_POINTS, *POINTS, *ROUND_POINTS, *POOL_POINTS, *PUBLISH_POINTS)
+ALL_POINTS = (
+    *PREPARE_POINTS,
+    *POINTS,
+    *QUEUE_POINTS,
+    *ROUND_POINTS,
+    *POOL_POINTS,
+    *PUBLISH_POINTS,
+)
 """Every crash point in pipeline order (tests/integration/test_crash_matrix.py kills a run at
 each, on every backend where it applies)."""
 

@@ -56,6 +56,23 @@ class TerminalBackendError(BackendError):
     """Bad request, auth, validation: retrying the same call cannot help."""
 
 
+class ProviderQueueFullError(TransientBackendError):
+    """A batch create refused because the provider's queue, or its create rate, is full (a 429):
+    nothing was created or billed, so the same batch is created again once there is room.
+    `retry_after_s` is the provider's own hint, None when it gave none."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        backend: str = "",
+        operation: str = "",
+        retry_after_s: float | None = None,
+    ):
+        self.retry_after_s = retry_after_s
+        super().__init__(message, backend=backend, operation=operation)
+
+
 class PublishError(LowtideError):
     """The published file could not be written (disk full, a bad path); the previous file is
     left as it was and the run can be published again with `lowtide publish`."""

@@ -193,6 +193,15 @@ class RetrySpec(_Strict):
     realtime_concurrency: int = Field(8, ge=1)
 
 
+class LimitsSpec(_Strict):
+    """What a provider account allows, when the user knows it (`[limits.<backend>]`); unset
+    limits are learned from the provider's own refusals and remembered in the state file."""
+
+    enqueued_tokens: int | None = Field(None, gt=0)  # prompt tokens waiting, per model (OpenAI)
+    queued_requests: int | None = Field(None, gt=0)  # requests waiting, all models (Anthropic)
+    batches_per_hour: int | None = Field(None, gt=0)  # batch creates per hour (OpenAI: 2,000)
+
+
 class PoolSpec(_Strict):
     """A pool of OpenAI-compatible servers (vLLM, SGLang, ...) for backend 'vllm'."""
 
@@ -243,6 +252,8 @@ class JobSpec(_Strict):
     pool: PoolSpec = Field(default_factory=PoolSpec)
     retry: RetrySpec = Field(default_factory=RetrySpec)
     route: RouteSpec | None = None
+    limits: dict[str, LimitsSpec] = Field(default_factory=dict)
+    """The provider account's limits per backend name (`[limits.openai] enqueued_tokens = …`)."""
 
     # filled by load_job, not by the file
     source_path: str = ""
@@ -419,6 +430,13 @@ def load_job(path: str | Path, backend: str | None = None) -> JobSpec:
         raise JobFileError(
             path,
             f"[model] backend: unknown backend {job.model.backend!r}; known: {', '.join(REGISTRY)}",
+        )
+    unknown_limits = sorted(set(job.limits) - set(REGISTRY))
+    if unknown_limits:
+        raise JobFileError(
+            path,
+            f"[limits.{unknown_limits[0]}]: unknown backend; limits are set per backend, one of: "
+            f"{', '.join(REGISTRY)}",
         )
     job.output_schema = _read_schema(job, path)
     fields = set(job.prompt.template_fields()) - {"text"}

@@ -31,6 +31,7 @@ BATCH_ROW_SCHEMA = {
     "backend": pl.String,
     "n_requests": pl.Int32,
     "n_bytes": pl.Int64,
+    "est_tokens": pl.Int64,
 }
 """The columns of a batch row in a write-ahead manifest."""
 
@@ -232,6 +233,8 @@ def plan_batches(
         .agg(
             pl.len().cast(pl.Int32).alias("n_requests"),
             (pl.col("_bytes") + 1).sum().alias("n_bytes"),
+            # what the batch puts in the provider's queue (lowtide/quota.py)
+            pl.col("est_input_tokens").sum().cast(pl.Int64).alias("est_tokens"),
         )
         .with_columns(pl.lit(attempt).alias("attempt"), pl.lit(backend).alias("backend"))
     )

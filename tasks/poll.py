@@ -9,13 +9,15 @@ poll, so the next run or a scheduled `collect` picks up from them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
+from collections.abc import Callable
 from datetime import datetime
 
 import polars as pl
 
 from lowtide import progress
-from lowtide.backends.base import Backend, BatchState, BatchStatus
+from lowtide.backends.base import Backend, BatchState, BatchStatus, QuotaRefusal
 from lowtide.context import RunContext
 from lowtide.crashpoints import crash_point
 from lowtide.lease import LEASE_S, process_owner
@@ -24,17 +26,27 @@ from lowtide.routing import is_due, seconds_left
 from lowtide.runlog import stage_log
 from lowtide.store import Store
 from lowtide.vocabulary import REALTIME_BACKEND
+from tasks.submit import requeue
 
 INTERRUPTED = "realtime calls were interrupted before their answers were stored"
 
 
-def poll_once(store: Store, backend: Backend | None, run_id: str) -> tuple[int, int]:
+Refused = Callable[[str, QuotaRefusal], None]
+"""What to do with a batch the provider refused for its queue limit (`tasks.submit.requeue`)."""
+
+
+def poll_once(
+    store: Store, backend: Backend | None, run_id: str, refused: Refused | None = None
+) -> tuple[int, int]:
     """Refresh every live batch of the run once; returns (terminal, total) batch counts.
-    `backend` is None for a backend without provider batches (nothing to ask)."""
+    `backend` is None for a backend without provider batches (nothing to ask). A batch the
+    provider refused for its queue limit goes to `refused` (when given) instead of ending."""
     batches = store.open_batches(run_id)
     observed: list[tuple[str, BatchState]] = []
     try:
-        terminal, done_requests, total_requests = _poll_round(store, backend, batches, observed)
+        terminal, done_requests, total_requests = _poll_round(
+            store, backend, batches, observed, refused
+        )
     except BaseException:
         # keep what was seen before the failing poll, but let the poll's own error (which
         # decides whether the task retries) be the one raised
@@ -53,6 +65,7 @@ def _poll_round(
     backend: Backend | None,
     batches: pl.DataFrame,
     observed: list[tuple[str, BatchState]],
+    refused: Refused | None = None,
 ) -> tuple[int, int, int]:
     """Ask the provider about each live batch once, appending to `observed`; returns
     (terminal batches, requests done, requests in all)."""
@@ -75,6 +88,9 @@ def _poll_round(
         if not b["provider_batch_id"] or backend is None:
             continue
         state = backend.poll(b["provider_batch_id"])
+        if state.refused is not None and refused is not None:
+            refused(b["batch_id"], state.refused)  # not ended: it will be created again
+            continue
         observed.append((b["batch_id"], state))
         if state.status.terminal:
             terminal += 1
@@ -92,20 +108,28 @@ def _poll_round(
     retry_condition_fn=retry_transient,
 )
 def poll_task(
-    ctx: RunContext, run_id: str, wait: bool = True, until: datetime | None = None
+    ctx: RunContext,
+    run_id: str,
+    wait: bool = True,
+    until: datetime | None = None,
+    room: Callable[[], str | None] | None = None,
 ) -> bool:
     """Poll until every batch of the run ended (wait=True) or once; True when all ended. A
-    waiting poll also stops at `until` (a route step's end, watched between polls)."""
+    waiting poll also stops at `until` (a route step's end, watched between polls), and, with
+    `room` (batches wait for the provider's queue: why, or None once there is room), as soon as
+    the next batch may go."""
     store = ctx.store
     backend = ctx.batch_client() if ctx.entry.mode == "batch" else None
+    refused = functools.partial(requeue, ctx) if backend is not None else None
     interval = 0.2
     started = time.perf_counter()
     polls = 0
     while True:
         store.claim_run(run_id, process_owner(), LEASE_S)  # still driving: renew the lease
-        terminal, total = poll_once(store, backend, run_id)
+        terminal, total = poll_once(store, backend, run_id, refused)
         polls += 1
-        if terminal == total or not wait or is_due(until):
+        why = room() if room is not None else ""
+        if why is None or terminal == total or not wait or is_due(until):
             stage_log(
                 "poll",
                 "%d of %d batches ended after %d poll(s), %.1f s",
@@ -115,6 +139,9 @@ def poll_task(
                 time.perf_counter() - started,
             )
             return terminal == total
+        if why:
+            progress.report("queue", terminal, total, f"waiting for room: {why}")
+            crash_point("waiting_for_room")
         crash_point("during_poll")
         left = seconds_left(until)
         time.sleep(interval if left is None else min(interval, left))

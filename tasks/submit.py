@@ -1,23 +1,50 @@
-"""submit: one shard → one provider batch, write-ahead.
+"""submit: one shard → one provider batch, write-ahead, when the provider's queue has room.
 
 The manifest (requests and a `pending` batch row) is already committed. Each provider id is
 committed the moment it returns. A batch that already has a provider id is never sent again; one
 that was uploaded but has no batch id may have been created just before a crash, so the provider
 is asked (by lowtide's metadata tag) before anything is created.
+
+Batches go out only while the provider's queue has room for them (`lowtide/quota.py`, `admit`);
+one larger than the queue is first cut to fit. A create the provider refuses for its queue or
+create rate (a 429) made nothing: the batch waits for the provider's `retry-after` and goes again.
+A batch the provider refused at validation for its token limit ran nothing either: `requeue`
+puts it back, and the limit its refusal states is remembered for this night and the next.
 """
 
 from __future__ import annotations
 
+import math
+import time
+from dataclasses import replace
 from pathlib import Path
 
+import polars as pl
+
 from lowtide import prepared_lines
-from lowtide.backends.base import Backend, BatchStatus, TerminalBackendError
+from lowtide.backends.base import Backend, BatchStatus, QuotaRefusal, TerminalBackendError
 from lowtide.context import RunContext
 from lowtide.crashpoints import crash_point
-from lowtide.errors import InputFileGoneError
+from lowtide.errors import InputFileGoneError, ProviderQueueFullError
 from lowtide.orchestration import retry_transient, task
+from lowtide.quota import (
+    ALL_MODELS,
+    ENQUEUED_TOKENS,
+    NOT_BEFORE,
+    PLANNING_SHARE,
+    QUEUED_REQUESTS,
+    Batch,
+    room_for,
+)
 from lowtide.runlog import stage_log
 from lowtide.store import Store
+
+QUEUE_WAIT_S = 30.0
+"""How long to wait after a queue-full 429 that carried no `retry-after`."""
+
+PIECES_PER_QUEUE = 3
+"""A batch larger than the queue is cut into pieces of a third of it, so that while one piece
+ends and the next is created the queue still holds two."""
 
 
 def submit_batch(
@@ -87,9 +114,102 @@ def submit_task(ctx: RunContext, batch_id: str, run_id: str) -> str | None:
     store = ctx.store
     try:
         provider_id = submit_batch(store, ctx.batch_client(), batch_id, ctx.work_dir(run_id))
+    except ProviderQueueFullError as e:
+        wait_for_room(ctx, e)
+        return None
     except TerminalBackendError as e:
         store.fail_batch(batch_id, "rejected", str(e))
         stage_log("submit", "%s refused by %s: %s", batch_id, ctx.backend, e)
         return None
     stage_log("submit", "%s sent as %s", batch_id, provider_id)
     return provider_id
+
+
+# -- the provider's queue ------------------------------------------------------------------------
+def _queue_model(ctx: RunContext) -> str:
+    """The model key the provider's queue limit is kept under: Anthropic's is shared by all."""
+    return ALL_MODELS if ctx.capabilities.queue == QUEUED_REQUESTS else ctx.job.model.name
+
+
+def admit(ctx: RunContext, run_id: str) -> tuple[list[str], str | None]:
+    """The run's unsent batches that may be created now, in sending order, and why the others
+    wait (None when none do). A batch larger than the queue's token limit is first cut to fit;
+    one that does not fit the room left is passed over for a later, smaller one that does."""
+    store, limits = ctx.store, ctx.queue_limits()
+    unsent = store.unsent_batch_sizes(run_id)
+    cap = limits.enqueued_tokens
+    if cap is not None and math.isfinite(cap):
+        too_big = unsent.filter(
+            (pl.col("est_tokens") > cap * PLANNING_SHARE) & (pl.col("n_requests") > 1)
+        )
+        for batch_id in too_big["batch_id"]:
+            pieces = store.split_batch(batch_id, int(cap * PLANNING_SHARE / PIECES_PER_QUEUE))
+            stage_log("submit", "%s cut in %d to fit the provider's queue", batch_id, len(pieces))
+        if too_big.height:
+            unsent = store.unsent_batch_sizes(run_id)
+    usage = store.queue_usage(ctx.backend, ctx.job.model.name)
+    probe = ctx.capabilities.queue == ENQUEUED_TOKENS
+    admitted: list[str] = []
+    first_why: str | None = None
+    now = time.time()
+    for batch_id, n_requests, tokens in unsent.iter_rows():
+        if room_for(Batch(0, 0), limits, usage, now=now, probe=probe) is not None:
+            # the provider's wait, its create rate or a batch awaiting admission: nothing goes
+            return admitted, first_why or room_for(Batch(0, 0), limits, usage, now=now, probe=probe)
+        why = room_for(Batch(tokens, n_requests), limits, usage, now=now, probe=probe)
+        if why is not None:
+            first_why = first_why or why
+            continue
+        admitted.append(batch_id)
+        usage = replace(
+            usage,
+            tokens=usage.tokens + tokens,
+            requests=usage.requests + n_requests,
+            unadmitted=usage.unadmitted + 1,
+            creates_last_hour=usage.creates_last_hour + 1,
+        )
+    return admitted, first_why
+
+
+def wait_for_room(ctx: RunContext, refusal: ProviderQueueFullError) -> None:
+    """A create refused with a 429 (queue or create rate full): no batch is created before the
+    provider's `retry-after`; for a request-count queue, what it held when it refused is
+    remembered as its size, so the next batch and the next night do not overfill it."""
+    store, model = ctx.store, _queue_model(ctx)
+    wait = refusal.retry_after_s if refusal.retry_after_s is not None else QUEUE_WAIT_S
+    store.learn_limit(ctx.backend, model, NOT_BEFORE, time.time() + wait, "retry-after")
+    held = store.queue_usage(ctx.backend, ctx.job.model.name).requests
+    if ctx.capabilities.queue == QUEUED_REQUESTS and held:
+        known = ctx.queue_limits().queued_requests
+        if known is None or held < known:
+            store.learn_limit(ctx.backend, model, QUEUED_REQUESTS, held, "429")
+    stage_log("submit", "the provider's queue is full; waiting %.0f s (%s)", wait, refusal)
+
+
+def requeue(ctx: RunContext, batch_id: str, refusal: QuotaRefusal) -> None:
+    """A batch the provider refused at validation for its token limit ran nothing: it goes back
+    to be created again, and the limit is remembered (the one the refusal states, else what the
+    queue held besides it). Refused with nothing else queued, it is halved, since the provider
+    counts it larger than lowtide's estimate does; a single request that does not fit fails."""
+    store, model = ctx.store, _queue_model(ctx)
+    tokens = int(store.batch(batch_id)["est_tokens"] or 0)
+    others = store.queue_usage(ctx.backend, ctx.job.model.name).tokens - tokens
+    limit = refusal.limit if refusal.limit is not None else (others if others > 0 else None)
+    if limit is not None:
+        store.learn_limit(ctx.backend, model, refusal.limit_name, limit, "refusal")
+    store.requeue_refused(batch_id, ctx.backend, model, refusal.reason)
+    stage_log(
+        "submit",
+        "%s refused for the provider's queue limit: sent again when there is room",
+        batch_id,
+    )
+    if others > 0:
+        return
+    if store.batch(batch_id)["n_requests"] > 1:
+        store.split_batch(batch_id, max(1, tokens // 2))
+    else:
+        store.fail_batch(
+            batch_id,
+            "queue_limit",
+            f"the provider's queue cannot hold this request ({refusal.reason})",
+        )

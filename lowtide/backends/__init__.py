@@ -58,6 +58,9 @@ class BackendEntry:
     family: str | None = None
     """The provider family whose engines give interchangeable answers for one model id (default:
     the name). The cross-run cache shares answers only within `answer_family`."""
+    account_limits: Callable[[Connection], dict[str, float]] = field(default=lambda c: {})
+    """The account's queue limits as the engine itself states them (`lowtide.quota` names):
+    lowtide's emulator says its own; a real provider says them only by refusing."""
     shard_files: bool = False
     """Its batches are shard files that a runner outside lowtide answers (`vllm run-batch` on
     an Indexed Job): `lowtide shards export` writes them, `shards import` and `collect` read
@@ -160,6 +163,27 @@ def _openai_realtime(connection: Connection) -> Any:
     return openai_batch.realtime_client_from_environment(api_key_block=connection.api_key_block)
 
 
+def _emulator_limits(connection: Connection) -> dict[str, float]:
+    """The emulator's queue limits, from its own settings (`GET /_emulator/config`)."""
+    import math
+
+    import httpx2
+
+    from lowtide.quota import BATCHES_PER_HOUR, ENQUEUED_TOKENS
+
+    url = _emulator_v1(connection).removesuffix("/v1") + "/_emulator/config"
+    try:
+        config = httpx2.get(url, timeout=10).raise_for_status().json()
+    except httpx2.HTTPError:
+        return {}  # an emulator that cannot say is treated as a provider that does not
+    named = {ENQUEUED_TOKENS: "enqueued_token_limit", BATCHES_PER_HOUR: "batch_creates_per_hour"}
+    # a limit the emulator leaves unset is known to be absent (infinite), not unknown
+    return {
+        name: float(config[field]) if isinstance(config.get(field), int | float) else math.inf
+        for name, field in named.items()
+    }
+
+
 def _emulator_batch(connection: Connection) -> Backend:
     from lowtide.backends import openai_batch
 
@@ -196,6 +220,7 @@ REGISTRY: dict[str, BackendEntry] = {
             pricing="tokens",
             make_batch=_emulator_batch,
             make_realtime=_emulator_realtime,
+            account_limits=_emulator_limits,
         ),
         BackendEntry(
             name="openai",

@@ -45,7 +45,8 @@ from lowtide.backends.base import (
     TransientBackendError,
 )
 from lowtide.backends.keys import require_key
-from lowtide.backends.wire import is_emulator_answer, is_transient_status
+from lowtide.backends.wire import is_emulator_answer, is_transient_status, retry_after_s
+from lowtide.errors import ProviderQueueFullError
 
 T = TypeVar("T")
 
@@ -56,6 +57,7 @@ CAPABILITIES = Capabilities(
     structured_output="output_config",
     wire="openai_chat",
     price_provider="anthropic",
+    queue="queued_requests",
 )
 
 # Anthropic's stop_reason → the OpenAI finish_reason vocabulary that parse/repair reads.
@@ -132,6 +134,14 @@ def translate(exc: BaseException, operation: str, base_url: object = None) -> Ba
         | anthropic.InternalServerError  # includes 503 and 529 OverloadedError
         | httpx2.TransportError,
     ) or (isinstance(exc, anthropic.APIStatusError) and is_transient_status(exc.status_code))
+    if operation == "create" and isinstance(exc, anthropic.RateLimitError):
+        # the processing queue (shared by all models) is full: nothing was created
+        return ProviderQueueFullError(
+            f"{operation}: {exc}",
+            backend="anthropic",
+            operation=operation,
+            retry_after_s=retry_after_s(exc.response.headers),
+        )
     cls = TransientBackendError if transient else TerminalBackendError
     unreachable = isinstance(exc, anthropic.APIConnectionError | httpx2.TransportError)
     where = f" (cannot reach {base_url})" if unreachable and base_url else ""

@@ -26,6 +26,7 @@ __all__ = [
     "BatchState",
     "BatchStatus",
     "Capabilities",
+    "QuotaRefusal",
     "RequestStatus",
     "TerminalBackendError",
     "TransientBackendError",
@@ -40,6 +41,19 @@ class Capabilities:
     structured_output: str  # "json_schema" (OpenAI response_format), later "output_config", "tool"
     wire: str  # line format the assembler writes: "openai_chat"
     price_provider: str  # provider column in the price table
+    queue: str | None = None
+    """What the provider's batch queue is limited by (`lowtide.quota`): `enqueued_tokens` (per
+    model; a breach fails the batch at validation) or `queued_requests` (all models; a breach is
+    a 429 on create); None for engines without a provider queue."""
+
+
+@dataclass(frozen=True)
+class QuotaRefusal:
+    """A provider's refusal of a batch for its queue limit, and the limit when it says it."""
+
+    reason: str
+    limit_name: str
+    limit: float | None = None
 
 
 @dataclass
@@ -59,6 +73,9 @@ class BatchState:
     """Requests finished so far (answered or errored), as the provider counts them."""
     total: int | None = None
     """Requests in the batch, as the provider counts them."""
+    refused: QuotaRefusal | None = None
+    """Set when the provider refused the batch for its queue limit (it ran nothing): lowtide
+    creates it again when there is room, and its requests never fail for it."""
 
     @property
     def has_results(self) -> bool:

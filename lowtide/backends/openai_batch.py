@@ -20,13 +20,14 @@ from lowtide.backends.base import (
     BatchState,
     BatchStatus,
     Capabilities,
+    QuotaRefusal,
     RequestStatus,
     TerminalBackendError,
     TransientBackendError,
 )
 from lowtide.backends.keys import require_key
-from lowtide.backends.wire import EMULATOR_FINGERPRINT, is_transient_status
-from lowtide.errors import InputFileGoneError
+from lowtide.backends.wire import EMULATOR_FINGERPRINT, is_transient_status, retry_after_s
+from lowtide.errors import InputFileGoneError, ProviderQueueFullError
 from lowtide.json_lines import json_lines
 from lowtide.request_lines import JsonlFile, jsonl_payload
 
@@ -42,6 +43,7 @@ CAPABILITIES = Capabilities(
     structured_output="json_schema",
     wire="openai_chat",
     price_provider="openai",
+    queue="enqueued_tokens",
 )
 
 _STATUS = {
@@ -112,6 +114,14 @@ def translate(exc: openai.OpenAIError, operation: str, base_url: object = None) 
         openai.APITimeoutError,
         openai.InternalServerError,
     )
+    if operation == "create" and isinstance(exc, openai.RateLimitError):
+        # a create refused for the batch-create rate (or a queue) made nothing: wait and send it
+        return ProviderQueueFullError(
+            f"{operation}: {exc}",
+            backend="openai",
+            operation=operation,
+            retry_after_s=retry_after_s(exc.response.headers),
+        )
     if isinstance(exc, transient) or (
         isinstance(exc, openai.APIStatusError) and is_transient_status(exc.status_code)
     ):
@@ -130,6 +140,23 @@ def translate(exc: openai.OpenAIError, operation: str, base_url: object = None) 
     ):
         return InputFileGoneError(f"{operation}: {exc}", backend="openai", operation=operation)
     return TerminalBackendError(f"{operation}: {exc}", backend="openai", operation=operation)
+
+
+_ENQUEUED_LIMIT = re.compile(r"Limit:\s*([\d,]+)\s*enqueued tokens", re.I)
+
+
+def quota_refusal(status: str, errors: list[dict[str, Any]]) -> QuotaRefusal | None:
+    """A batch that failed validation because the model's enqueued-token limit was reached (not
+    a 429: the create succeeded), with the limit when the message states it."""
+    if status != "failed":
+        return None
+    for error in errors:
+        if error.get("code") == "token_limit_exceeded":
+            message = str(error.get("message") or "")
+            found = _ENQUEUED_LIMIT.search(message)
+            limit = float(found.group(1).replace(",", "")) if found else None
+            return QuotaRefusal(f"token_limit_exceeded: {message}", "enqueued_tokens", limit)
+    return None
 
 
 # A top-level-looking `"error"` whose value is a string or another `{"error": ...}` object: the
@@ -319,7 +346,7 @@ class OpenAIBatchBackend:
     ) -> str | None:
         def scan() -> str | None:
             for b in self.client.batches.list(limit=100):
-                if (b.metadata or {}).get(METADATA_KEY) == batch_id:
+                if (b.metadata or {}).get(METADATA_KEY) == batch_id and b.id not in exclude:
                     return b.id
             return None
 
@@ -342,6 +369,7 @@ class OpenAIBatchBackend:
         return BatchState(
             status=map_status(b.status),
             provider_status=b.status,
+            refused=quota_refusal(b.status, errors),
             counts=counts,
             output_file_id=b.output_file_id,
             error_file_id=b.error_file_id,

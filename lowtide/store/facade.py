@@ -8,6 +8,7 @@ from lowtide.store.carry import CarryStore
 from lowtide.store.chunk_cuts import ChunkCutsStore
 from lowtide.store.cursor import CursorStore
 from lowtide.store.history import HistoryStore, JobHistory
+from lowtide.store.limits import LimitsStore
 from lowtide.store.manifest import ManifestStore
 from lowtide.store.reports import EXPORT_FORMATS, ReportsStore
 from lowtide.store.results import ResultsStore
@@ -17,6 +18,7 @@ from lowtide.store.sources import SourcesStore
 
 
 class Store(
+    LimitsStore,
     ReportsStore,
     ManifestStore,
     ResultsStore,

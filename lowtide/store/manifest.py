@@ -167,12 +167,13 @@ class ManifestStore(LinesStore):
         with self._transaction() as con:
             if messages is None:
                 insert_in_slices(con, requests, insert + "FROM incoming" + _NOT_STORED, [run_id])
+            est_tokens = "est_tokens" if "est_tokens" in batches.columns else "NULL::BIGINT"
             con.register("bat", batches)
             con.register("mem", members)
             con.execute(
                 "INSERT INTO batches BY NAME SELECT batch_id, ?::VARCHAR AS run_id, shard, attempt, "
-                "backend, ? AS status, n_requests, n_bytes, false AS collected, "
-                "now() AS created_at, now() AS updated_at FROM bat",
+                f"backend, ? AS status, n_requests, n_bytes, {est_tokens} AS est_tokens, "
+                "false AS collected, now() AS created_at, now() AS updated_at FROM bat",
                 [run_id, BatchStatus.PENDING.value],
             )
             # no key on batch_requests (migration 16): a plan names each request once, and a
@@ -265,7 +266,7 @@ class ManifestStore(LinesStore):
         """Provider batches of the run that have no provider id yet, in sending order."""
         return self._ids(
             "SELECT batch_id FROM batches WHERE run_id = ? AND provider_batch_id IS NULL "
-            "AND backend <> ? AND list_contains(?, status) ORDER BY attempt, shard",
+            "AND backend <> ? AND list_contains(?, status) ORDER BY attempt, shard, batch_id",
             [run_id, REALTIME_BACKEND, sql_list(UNSENT)],
         )
 
@@ -314,10 +315,13 @@ class ManifestStore(LinesStore):
         )
 
     def claimed_provider_ids(self) -> tuple[str, ...]:
-        """Every provider batch id already recorded (crash repair must not adopt these)."""
+        """Every provider batch id already recorded, and every one refused for the provider's
+        quota (crash repair must not adopt these)."""
         return tuple(
             self._query(
-                "SELECT provider_batch_id FROM batches WHERE provider_batch_id IS NOT NULL"
+                "SELECT provider_batch_id FROM batches WHERE provider_batch_id IS NOT NULL "
+                "UNION ALL SELECT provider_batch_id FROM quota_refusals "
+                "WHERE provider_batch_id IS NOT NULL"
             )["provider_batch_id"].to_list()
         )
 

@@ -382,6 +382,29 @@ MIGRATIONS.append(
     )
 )
 
+MIGRATIONS.append(
+    (
+        20,
+        "provider queues: each batch's estimated prompt tokens, the limits lowtide was told or "
+        "learned per provider and model, and every batch a provider refused for its quota",
+        # `est_tokens`: what the batch puts in the provider's queue (OpenAI counts enqueued
+        # prompt tokens); NULL for batches planned before this version (counted as 0)
+        "ALTER TABLE batches ADD COLUMN est_tokens BIGINT;"
+        # one row per provider, model ('*': all models) and limit name; `value` is the limit,
+        # or for `not_before` the epoch second before which no batch may be created
+        "CREATE TABLE provider_limits ("
+        " provider VARCHAR NOT NULL, model VARCHAR NOT NULL, name VARCHAR NOT NULL,"
+        " value DOUBLE NOT NULL, source VARCHAR NOT NULL, updated_at TIMESTAMP NOT NULL,"
+        " PRIMARY KEY (provider, model, name));"
+        # a refused provider batch executed nothing; its lowtide batch is sent again, and crash
+        # repair never adopts the refused id (`claimed_provider_ids`)
+        "CREATE TABLE quota_refusals ("
+        " batch_id VARCHAR NOT NULL, run_id VARCHAR NOT NULL, provider VARCHAR NOT NULL,"
+        " model VARCHAR NOT NULL, provider_batch_id VARCHAR, reason VARCHAR NOT NULL,"
+        " refused_at TIMESTAMP NOT NULL);",
+    )
+)
+
 LATEST = MIGRATIONS[-1][0]
 
 

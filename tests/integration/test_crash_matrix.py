@@ -58,6 +58,7 @@ NOT_APPLICABLE: dict[str, dict[str, str]] = {
         "after_create": _STREAM,
         "during_poll": _STREAM,
         "during_download": _STREAM,
+        "waiting_for_room": "a pool has no provider queue: its own in-flight cap is the limit",
         "mid_parse": "answers are parsed and committed as they stream (during_stream)",
         "in_realtime": "no realtime path: urgent rows are the pool's first shard",
     },
@@ -99,8 +100,10 @@ def _provider(point: str, backend: str) -> Iterator[Provider]:
             yield Provider(env, ledger, "vllm", set, lambda: None)
         return
     # during_poll: the clock stands still until the crash, so the first poll always finds the
-    # batches running (an event, not a race with a busy machine); the resume lets it run
-    frozen = point == "during_poll"
+    # batches running (an event, not a race with a busy machine); the resume lets it run.
+    # waiting_for_room likewise: the first batch is never admitted before the crash, so the
+    # next waits for it (openai's token limit is unknown until a refusal says it)
+    frozen = point in ("during_poll", "waiting_for_room")
     config = EmulatorConfig(
         time_scale=0.0 if frozen else FAST,
         # in_retry_round: per-request server errors (fixed seed) make a second batch round

@@ -1,0 +1,161 @@
+"""A provider's queue smaller than the job: the run plans around it, learns its limit from the
+provider's own refusal, remembers it for the next night, and never pays twice while waiting.
+
+The emulator refuses an OpenAI batch at validation when it would push the model's enqueued
+prompt tokens past `enqueued_token_limit`, as OpenAI does (not a 429): its ledger is the
+provider's bill.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from lowtide.emulator import Emulator, EmulatorConfig
+from tests.integration.conftest import lowtide_cli, write_job
+from tests.sql import query, scalar
+
+pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.slow]
+
+ROWS = 150
+SHARD = 30  # requests per batch: ~24,000 estimated prompt tokens each for the sample job
+QUEUE = 77_000  # enqueued tokens: room for three such batches, not four
+
+
+def _env(emu: Emulator, tmp_path: Path, **extra: str) -> dict[str, str]:
+    return {
+        "OPENAI_BASE_URL": emu.openai_base_url,
+        "OPENAI_API_KEY": "x",
+        "LOWTIDE_SHARD_MAX_REQUESTS": str(SHARD),
+        "LOWTIDE_POLL_MAX_INTERVAL_S": "0.5",
+        **extra,
+    }
+
+
+def _change_rows(tmp_path: Path, n: int) -> None:
+    """The next night's input: the first `n` messages changed."""
+    path = tmp_path / "messages.csv"
+    messages = pl.read_csv(path)
+    changed = pl.int_range(pl.len()) < n
+    messages.with_columns(
+        pl.when(changed).then(pl.col("body") + " (sent again)").otherwise(pl.col("body"))
+    ).write_csv(path)
+
+
+def _refusals(run_id: str) -> int:
+    return int(
+        scalar(
+            os.environ["LOWTIDE_STATE"],
+            "SELECT count(*) FROM quota_refusals WHERE run_id = ?",
+            [run_id],
+        )
+    )
+
+
+def _last_run() -> dict:
+    return query(
+        os.environ["LOWTIDE_STATE"], "SELECT * FROM runs ORDER BY started_at DESC LIMIT 1"
+    ).row(0, named=True)
+
+
+def test_a_queue_smaller_than_the_job_is_learned_once_and_remembered(tmp_path: Path) -> None:
+    job = write_job(tmp_path, rows=ROWS, eval_rows=10)
+    config = EmulatorConfig(time_scale=600.0, seed=3, error_rate=0.0, enqueued_token_limit=QUEUE)
+    with Emulator(config) as emu:
+        env = _env(emu, tmp_path)
+        first = lowtide_cli("run", str(job), "--backend", "openai", cwd=tmp_path, env=env)
+        assert first.returncode == 0, first.stdout + first.stderr
+        night1 = _last_run()
+        assert night1["status"] == "completed"
+        assert night1["succeeded"] == ROWS and night1["failed"] == 0
+        # the limit was unknown: one batch waited for admission at a time, so the provider
+        # refused at most one batch before its refusal taught the limit
+        assert _refusals(night1["run_id"]) <= 1
+        learned = query(
+            os.environ["LOWTIDE_STATE"],
+            "SELECT value, source FROM provider_limits WHERE name = 'enqueued_tokens'",
+        )
+        if _refusals(night1["run_id"]):
+            assert learned.row(0) == (QUEUE, "refusal")
+
+        _change_rows(tmp_path, 60)
+        second = lowtide_cli("run", str(job), "--backend", "openai", cwd=tmp_path, env=env)
+        assert second.returncode == 0, second.stdout + second.stderr
+        night2 = _last_run()
+        assert night2["run_id"] != night1["run_id"] and night2["requests_sent"] > SHARD
+        assert _refusals(night2["run_id"]) == 0  # the limit was remembered
+        assert night2["succeeded"] == ROWS
+
+        # the provider's bill: every request executed once, refused batches ran nothing
+        executed = emu.ledger.count_by_custom_id()
+        assert set(executed.values()) == {1}
+        sent = scalar(
+            os.environ["LOWTIDE_STATE"],
+            "SELECT count(DISTINCT br.custom_id) FROM batch_requests br JOIN batches b "
+            "USING (batch_id) WHERE b.provider_batch_id IS NOT NULL",
+        )
+        assert len(executed) == sent
+        refused = [b for b in emu.state.batches.values() if b.status == "failed"]
+        assert all(b.executed == 0 for b in refused)
+
+
+def test_a_batch_larger_than_the_queue_is_cut_to_fit(tmp_path: Path) -> None:
+    """Shards of 60 requests (~48,000 tokens) against a queue of 40,000: the refusal states the
+    limit, the batch is cut, and every row is answered once."""
+    job = write_job(tmp_path, rows=90, eval_rows=5)
+    config = EmulatorConfig(
+        time_scale=600.0, seed=3, error_rate=0.0, enqueued_token_limit=40_000
+    )
+    with Emulator(config) as emu:
+        env = _env(emu, tmp_path, LOWTIDE_SHARD_MAX_REQUESTS="60")
+        done = lowtide_cli("run", str(job), "--backend", "openai", cwd=tmp_path, env=env)
+        assert done.returncode == 0, done.stdout + done.stderr
+        run = _last_run()
+        assert run["succeeded"] == 90 and run["failed"] == 0
+        pieces = scalar(
+            os.environ["LOWTIDE_STATE"],
+            "SELECT count(*) FROM batches WHERE batch_id LIKE '%-p%' AND run_id = ?",
+            [run["run_id"]],
+        )
+        assert pieces >= 2
+        assert set(emu.ledger.count_by_custom_id().values()) == {1}
+
+
+def test_configured_limits_need_no_refusal(tmp_path: Path) -> None:
+    """`[limits.openai] enqueued_tokens` known up front: no batch is ever refused."""
+    extra = f"\n[limits.openai]\nenqueued_tokens = {QUEUE}\n"
+    job = write_job(tmp_path, rows=ROWS, eval_rows=10, extra=extra)
+    config = EmulatorConfig(time_scale=600.0, seed=3, error_rate=0.0, enqueued_token_limit=QUEUE)
+    with Emulator(config) as emu:
+        done = lowtide_cli(
+            "run", str(job), "--backend", "openai", cwd=tmp_path, env=_env(emu, tmp_path)
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        run = _last_run()
+        assert _refusals(run["run_id"]) == 0 and run["succeeded"] == ROWS
+        assert not [b for b in emu.state.batches.values() if b.status == "failed"]
+
+
+def test_a_kill_while_waiting_for_room_resumes_without_paying_twice(tmp_path: Path) -> None:
+    """The clock stands still until the kill, so the first batch is never admitted and the
+    next waits for it: the kill comes on that event, not on a race with the machine."""
+    job = write_job(tmp_path, rows=ROWS, eval_rows=10)
+    config = EmulatorConfig(time_scale=0.0, seed=3, error_rate=0.0, enqueued_token_limit=QUEUE)
+    with Emulator(config) as emu:
+        env = _env(emu, tmp_path, LOWTIDE_CRASH_AT="waiting_for_room")
+        crashed = lowtide_cli("run", str(job), "--backend", "openai", cwd=tmp_path, env=env)
+        assert crashed.returncode == -signal.SIGKILL, crashed.stdout + crashed.stderr
+        crashed_run = _last_run()
+        emu.state.clock.set_time_scale(600.0)
+        resumed = lowtide_cli(
+            "run", str(job), "--backend", "openai", cwd=tmp_path, env=_env(emu, tmp_path)
+        )
+        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+        run = _last_run()
+        assert run["run_id"] == crashed_run["run_id"]  # resumed, not started over
+        assert run["succeeded"] == ROWS
+        assert set(emu.ledger.count_by_custom_id().values()) == {1}
