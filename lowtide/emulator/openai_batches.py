@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
+from lowtide.emulator import limits
 from lowtide.emulator.faults import ApiError
 from lowtide.emulator.openai_batch_lifecycle import TERMINAL, BatchLine, OpenAIBatch, line_error
 from lowtide.emulator.openai_files import parse_expires_after
@@ -83,6 +84,8 @@ def _create_batch(state: EmulatorState, body: dict[str, Any]) -> Response:
     config = state.config
     with state.lock:
         now = state.tick()
+        # After the parameter checks: a malformed create is a 400 and takes no slot.
+        limits.check_batch_create_rate(state, now)
         input_file = state.files.get(body["input_file_id"])
         if input_file is None or not input_file.alive(now):
             raise ApiError(
