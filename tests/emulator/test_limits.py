@@ -10,6 +10,7 @@ import anthropic
 import openai
 import pytest
 
+from lowtide.emulator import EmulatorConfig
 from lowtide.emulator.limits import retry_headers, wait_until_fits
 from tests.emulator.conftest import (
     TEXTS,
@@ -227,3 +228,26 @@ def test_a_canceling_batch_no_longer_counts_as_queued(make_emu):
         client.messages.batches.create(requests=_requests("b", 1)).processing_status
         == "in_progress"
     )
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+def test_limits_are_settable_like_every_field(emu):
+    config = EmulatorConfig.from_env(
+        {
+            "LOWTIDE_EMULATOR_BATCH_CREATES_PER_HOUR": "2000",
+            "LOWTIDE_EMULATOR_ANTHROPIC_QUEUE_LIMIT": "200000",
+            "LOWTIDE_EMULATOR_FILE_STORAGE_LIMIT_BYTES": "none",
+        }
+    )
+    assert (config.batch_creates_per_hour, config.anthropic_queue_limit) == (2000, 200_000)
+    assert config.file_storage_limit_bytes is None
+    patched = admin(
+        emu,
+        "POST",
+        "/_emulator/config",
+        {"batch_creates_per_hour": "5", "anthropic_queue_limit": 7, "file_storage_limit_bytes": 9},
+    )
+    assert (patched["batch_creates_per_hour"], patched["anthropic_queue_limit"]) == (5, 7)
+    assert patched["file_storage_limit_bytes"] == 9
