@@ -1,4 +1,4 @@
-"""Account-level limits of the emulated providers.
+"""Account-level limits of the emulated providers, and how full their queues ran.
 
 - OpenAI enqueued tokens: a batch's prompt tokens sit in its model's pool from admission
   (validation end) until it reaches a terminal status. The admission itself is decided in
@@ -8,16 +8,19 @@
 - Anthropic processing queue: requests of batches whose processing_status is `in_progress`,
   all models together, at most `anthropic_queue_limit`, else 429 and nothing is created.
 - Retry hints: both 429s say when room frees up, converted from simulated to real time.
+- The queue report behind `GET /_emulator/queue`: per queue, how much of its limit the work
+  used while it lasted, measured since `QueueMarks.since` (`POST /_emulator/queue/reset`).
 
 Everything here is derived from the batch records (their create, admission and end times), so
-it survives a restart with them.
+it survives a restart with them; only `QueueMarks` is state of its own.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from lowtide.emulator.faults import ApiError
 
@@ -25,6 +28,15 @@ if TYPE_CHECKING:
     from lowtide.emulator.app import EmulatorState
 
 RATE_WINDOW_S = 3600.0
+
+
+@dataclass
+class QueueMarks:
+    """Where the current queue measurement began, and what no batch record remembers."""
+
+    since: float  # simulated time of the last reset (or of the emulator's first start)
+    since_seq: int  # the first creation sequence number that belongs to the measurement
+    anthropic_refusals: int = 0  # queue-limit 429s since the reset (they create nothing)
 
 
 def retry_headers(simulated_wait_s: float, time_scale: float) -> dict[str, str]:
@@ -85,8 +97,9 @@ def check_batch_create_rate(state: EmulatorState, now: float) -> None:
 
 
 def check_anthropic_queue(state: EmulatorState, now: float, need: int) -> None:
-    """ApiError(429) when `need` more requests would overfill Anthropic's processing queue. Its
-    retry hint is when enough in_progress batches will have ended (cancels aside)."""
+    """ApiError(429) when `need` more requests would overfill Anthropic's processing queue; the
+    refusal is counted for the queue report. Its retry hint is when enough in_progress batches
+    will have ended (cancels aside)."""
     limit = state.config.anthropic_queue_limit
     if limit is None:
         return
@@ -94,6 +107,8 @@ def check_anthropic_queue(state: EmulatorState, now: float, need: int) -> None:
     queued = sum(len(b.requests) for b in running)
     if queued + need <= limit:
         return
+    state.queue_marks.anthropic_refusals += 1
+    state.mark_changed()  # a 429 is not persisted on its own; the count must be
     wait = wait_until_fits(((b.natural_end(), len(b.requests)) for b in running), now, need, limit)
     headers = _retry_hint(state, wait)
     raise ApiError(
@@ -125,3 +140,92 @@ def enqueued_tokens(state: EmulatorState, model: str | None) -> int:
         for batch in state.batches.values()
         if batch.model == model and "in_progress" in batch.times and batch.ended_at() is None
     )
+
+
+# --------------------------------------------------------------------------- the report
+
+
+@dataclass
+class _Meter:
+    """One queue's numbers over the measurement: creates, refusals, the span work lasted and
+    the integral of what it held."""
+
+    limit: int | None
+    creates: int = 0
+    refusals: int = 0
+    first: float = math.inf
+    last: float = -math.inf
+    occupied: float = 0.0
+
+    def add(
+        self,
+        marks: QueueMarks,
+        now: float,
+        *,
+        seq: int,
+        life: tuple[float, float | None],
+        held: tuple[float, float | None] | None,
+        amount: int,
+    ) -> bool:
+        """Count a batch alive from `life[0]` to `life[1]` (None: still), holding `amount`
+        over `held`; False for a batch over before the measurement began (not counted)."""
+        created, ended = life
+        new = seq >= marks.since_seq
+        if not new and ended is not None and ended <= marks.since:
+            return False
+        self.creates += new
+        self.first = min(self.first, max(created, marks.since))
+        self.last = max(self.last, now if ended is None else ended)
+        if held is not None:
+            start, stop = held
+            stop = now if stop is None else min(stop, now)
+            self.occupied += amount * max(0.0, stop - max(start, marks.since))
+        return True
+
+    def to_json(self) -> dict[str, Any]:
+        busy = max(0.0, self.last - self.first) if self.first < math.inf else 0.0
+        share = self.occupied / (self.limit * busy) if self.limit and busy > 0 else None
+        return {
+            "limit": self.limit,
+            "refusals": self.refusals,
+            "creates": self.creates,
+            "busy_s": busy,
+            "occupied": self.occupied,
+            "share": share,
+        }
+
+
+def queue_report(state: EmulatorState, now: float) -> dict[str, Any]:
+    """`GET /_emulator/queue`: OpenAI per model with a batch in the measurement (tokens),
+    Anthropic as one queue (requests). Call it under the state's lock after a tick, so every
+    status is current."""
+    marks = state.queue_marks
+    openai: dict[str, _Meter] = {}
+    for batch in state.batches.values():
+        if batch.model is None:  # an unreadable or empty file names no model, holds nothing
+            continue
+        meter = openai.setdefault(batch.model, _Meter(state.config.enqueued_token_limit))
+        admitted = batch.times.get("in_progress")
+        counted = meter.add(
+            marks,
+            now,
+            seq=batch.seq,
+            life=(batch.created_at, batch.ended_at()),
+            held=None if admitted is None else (admitted, batch.ended_at()),
+            amount=0 if admitted is None else batch.queue_tokens(),
+        )
+        meter.refusals += counted and batch.refused_for_tokens()
+    anthropic = _Meter(state.config.anthropic_queue_limit, refusals=marks.anthropic_refusals)
+    for mbatch in state.message_batches.values():
+        anthropic.add(
+            marks,
+            now,
+            seq=mbatch.seq,
+            life=(mbatch.created_at, mbatch.ended_at),
+            held=(mbatch.created_at, mbatch.queued_until()),
+            amount=len(mbatch.requests),
+        )
+    return {
+        "openai": {m: meter.to_json() for m, meter in openai.items() if meter.first < math.inf},
+        "anthropic": {"*": anthropic.to_json()},
+    }
