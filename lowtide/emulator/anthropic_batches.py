@@ -23,6 +23,7 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
+from lowtide.emulator import limits
 from lowtide.emulator import model as emodel
 from lowtide.emulator.anthropic_messages import create_message
 from lowtide.emulator.faults import ApiError, anthropic_error_type
@@ -70,6 +71,20 @@ class MessageBatch:
 
     def finish_time(self, index: int) -> float:
         return self.created_at + (index + 1) * self.per_request_s
+
+    def all_done_at(self) -> float:
+        return self.created_at + len(self.requests) * self.per_request_s
+
+    def natural_end(self) -> float:
+        """When the batch ends unless cancelled: `finalizing_s` after its last request, or at
+        expiry when that request would finish later."""
+        done = self.all_done_at()
+        return self.expires_at if done > self.expires_at else done + self.finalizing_s
+
+    def queued_until(self) -> float | None:
+        """When the batch stopped counting as queued (in_progress): its cancel or its end;
+        None while it still counts."""
+        return self.cancel_initiated_at if self.cancel_initiated_at is not None else self.ended_at
 
     def archived(self, now: float) -> bool:
         return now >= self.created_at + self.archive_after_s
@@ -167,6 +182,7 @@ def _create_batch(state: EmulatorState, body: dict[str, Any], base_url: str) -> 
         parsed.append(BatchRequest(custom_id, params))
     with state.lock:
         now = state.tick()
+        limits.check_anthropic_queue(state, now, len(parsed))
         batch = MessageBatch(
             id=state.new_id("msgbatch_01", 12),
             seq=state.next_seq(),
@@ -294,15 +310,11 @@ def advance_all(state: EmulatorState, now: float) -> None:
 
 def _advance(state: EmulatorState, batch: MessageBatch, now: float) -> None:
     if batch.status == "in_progress":
-        all_done = batch.created_at + len(batch.requests) * batch.per_request_s
-        if all_done > batch.expires_at:
-            _run_until(state, batch, min(now, batch.expires_at))
-            if now >= batch.expires_at:
-                _end(state, batch, batch.expires_at, "expired")
-            return
-        _run_until(state, batch, min(now, all_done))
-        if now >= all_done + batch.finalizing_s:
-            _end(state, batch, all_done + batch.finalizing_s, None)
+        expiring = batch.all_done_at() > batch.expires_at
+        _run_until(state, batch, min(now, batch.expires_at if expiring else batch.all_done_at()))
+        end = batch.natural_end()
+        if now >= end:
+            _end(state, batch, end, "expired" if expiring else None)
     elif batch.status == "canceling":
         assert batch.cancel_initiated_at is not None
         # Requests already running when the cancel came in may still finish.

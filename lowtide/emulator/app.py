@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from lowtide.emulator import (
     anthropic_batches,
     anthropic_messages,
+    limits,
     openai_batch_lifecycle,
     openai_batches,
     openai_chat,
@@ -68,6 +69,7 @@ class EmulatorState:
         self.prompt_cache: dict[str, float] = {}
         self._attempts: Counter[tuple[str, str]] = Counter()
         self._next_seq = 0
+        self.queue_marks = limits.QueueMarks(since=self.clock.now(), since_seq=0)
         self._state_dir: StateDir | None = None
         self._dirty = False
         if config.state_dir:
@@ -110,6 +112,13 @@ class EmulatorState:
             for b in self.batches.values()
             if b.status not in openai_batch_lifecycle.TERMINAL
         ] + [b.status for b in self.message_batches.values() if b.status != "ended"]
+
+    def reset_queue_meter(self) -> float:
+        """Start a new queue measurement now (`GET /_emulator/queue`); returns its start."""
+        with self.lock:
+            now = self.tick()
+            self.queue_marks = limits.QueueMarks(since=now, since_seq=self._next_seq)
+            return now
 
     def patch_config(self, patch: dict[str, Any]) -> None:
         if "state_dir" in patch:
@@ -164,6 +173,7 @@ class EmulatorState:
                 attempts=self._attempts,
                 ledger=self.ledger._snapshot(),
                 prompt_cache=self.prompt_cache,
+                queue_marks=self.queue_marks,
             )
             self._state_dir.save(snap, blobs)
             self._dirty = False
@@ -184,6 +194,7 @@ class EmulatorState:
         self.prompt_cache = snap.prompt_cache
         self._attempts = Counter(snap.attempts)
         self._next_seq = snap.next_seq
+        self.queue_marks = snap.queue_marks
         self.ledger.reset()
         for entry in ledger_entries(snap):
             self.ledger.record(**entry)
@@ -342,6 +353,15 @@ def _add_admin_routes(app: FastAPI, state: EmulatorState) -> None:
     def ledger_reset() -> Response:
         state.ledger.reset()
         return json_response({"reset": True})
+
+    @app.get("/_emulator/queue")
+    def queue() -> Response:
+        with state.lock:
+            return json_response(limits.queue_report(state, state.tick()))
+
+    @app.post("/_emulator/queue/reset")
+    def queue_reset() -> Response:
+        return json_response({"since": state.reset_queue_meter()})
 
     @app.get("/_emulator/clock")
     def clock() -> Response:

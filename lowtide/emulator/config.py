@@ -65,8 +65,13 @@ class EmulatorConfig:
     max_upload_bytes: int = 512 * 1024 * 1024
     max_batch_file_bytes: int = 200 * 1024 * 1024
     max_batch_lines: int = 50_000
-    # Enqueued prompt tokens per model across unfinished OpenAI batches; None = unlimited.
+    # Account limits; None = unlimited (lowtide.emulator.limits). OpenAI: prompt tokens
+    # enqueued per model in admitted, unfinished batches; batch creates per sliding hour (2,000
+    # documented); bytes of live files. Anthropic: requests of in_progress batches, all models.
     enqueued_token_limit: int | None = None
+    batch_creates_per_hour: int | None = None
+    file_storage_limit_bytes: int | None = None
+    anthropic_queue_limit: int | None = None
     anthropic_max_requests: int = 100_000
     anthropic_max_body_bytes: int = 256 * 1024 * 1024
     # Prompt caching: shortest cacheable prefix and how long an entry lives.

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from lowtide.emulator import limits
 from lowtide.emulator import model as emodel
 from lowtide.emulator.faults import ApiError
 from lowtide.emulator.openai_chat import chat_completion
@@ -52,7 +53,8 @@ class OpenAIBatch:
     lines: list[BatchLine]
     line_errors: list[dict[str, Any]]
     model: str | None
-    enqueued_tokens: int = 0
+    # Prompt tokens the batch holds in its model's enqueued pool; None until first needed.
+    enqueued_tokens: int | None = None
     status: str = "validating"
     times: dict[str, float] = field(default_factory=dict)
     executed: int = 0
@@ -66,6 +68,31 @@ class OpenAIBatch:
 
     def finish_time(self, index: int) -> float:
         return self.times["in_progress"] + (index + 1) * self.per_request_s
+
+    @property
+    def validation_end(self) -> float:
+        return self.created_at + self.validating_s
+
+    def ended_at(self) -> float | None:
+        """When the batch reached its terminal status; None while it has not."""
+        return next((self.times[s] for s in TERMINAL if s in self.times), None)
+
+    def queue_tokens(self) -> int:
+        """Prompt tokens the batch holds in the enqueued pool while admitted: the emulator's
+        own count of each request's messages. Counted on first need, since tokenizing a big
+        batch costs about what its create does."""
+        if self.enqueued_tokens is None:
+            self.enqueued_tokens = sum(
+                emodel.prompt_token_count(messages)
+                for line in self.lines
+                if isinstance(messages := line.body.get("messages"), list)
+            )
+        return self.enqueued_tokens
+
+    def refused_for_tokens(self) -> bool:
+        return self.status == "failed" and any(
+            e["code"] == "token_limit_exceeded" for e in self.line_errors
+        )
 
     def to_json(self) -> dict[str, Any]:
         admitted = "in_progress" in self.times
@@ -126,16 +153,39 @@ def line_error(
 
 def advance_all(state: EmulatorState, now: float) -> None:
     """Move every unfinished OpenAI batch to where the clock says it is."""
+    if state.config.enqueued_token_limit is not None:
+        _admit_in_time_order(state, now)
     for batch in state.batches.values():
         if batch.status not in TERMINAL:
             _advance(state, batch, now)
+
+
+def _admit_in_time_order(state: EmulatorState, now: float) -> None:
+    """Decide every admission due by `now` at its own validation end, earliest first (ties by
+    creation), with the same model's admitted batches brought to that moment first: whether a
+    batch fits the enqueued-token pool then depends on the simulated timeline only, not on
+    how far the clock jumped or the order batches sit in."""
+    due = sorted(
+        (b for b in state.batches.values() if b.status == "validating" and b.validation_end <= now),
+        key=lambda b: (b.validation_end, b.seq),
+    )
+    for batch in due:
+        at = batch.validation_end
+        for other in state.batches.values():
+            if (
+                other.model == batch.model
+                and other.ended_at() is None
+                and "in_progress" in other.times
+            ):
+                _advance(state, other, at)
+        _advance(state, batch, at)
 
 
 def _advance(state: EmulatorState, batch: OpenAIBatch, now: float) -> None:
     while batch.status not in TERMINAL:
         status = batch.status
         if status == "validating":
-            done = batch.created_at + batch.validating_s
+            done = batch.validation_end
             if now < done:
                 return
             if not batch.line_errors:
@@ -176,17 +226,12 @@ def _advance(state: EmulatorState, batch: OpenAIBatch, now: float) -> None:
 
 
 def _check_enqueued_limit(state: EmulatorState, batch: OpenAIBatch) -> None:
+    """Refuse the batch if its tokens would overfill its model's pool now (its validation end;
+    the pool is up to date there, see `_admit_in_time_order`)."""
     limit = state.config.enqueued_token_limit
     if limit is None:
         return
-    queued = sum(
-        other.enqueued_tokens
-        for other in state.batches.values()
-        if other is not batch
-        and other.model == batch.model
-        and other.status in ("in_progress", "finalizing", "cancelling")
-    )
-    if queued + batch.enqueued_tokens > limit:
+    if limits.enqueued_tokens(state, batch.model) + batch.queue_tokens() > limit:
         batch.line_errors = [
             line_error(
                 "token_limit_exceeded",

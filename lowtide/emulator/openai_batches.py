@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
-from lowtide.emulator import model as emodel
+from lowtide.emulator import limits
 from lowtide.emulator.faults import ApiError
 from lowtide.emulator.openai_batch_lifecycle import TERMINAL, BatchLine, OpenAIBatch, line_error
 from lowtide.emulator.openai_files import parse_expires_after
@@ -84,6 +84,8 @@ def _create_batch(state: EmulatorState, body: dict[str, Any]) -> Response:
     config = state.config
     with state.lock:
         now = state.tick()
+        # After the parameter checks: a malformed create is a 400 and takes no slot.
+        limits.check_batch_create_rate(state, now)
         input_file = state.files.get(body["input_file_id"])
         if input_file is None or not input_file.alive(now):
             raise ApiError(
@@ -98,11 +100,6 @@ def _create_batch(state: EmulatorState, body: dict[str, Any]) -> Response:
         lines, line_errors, batch_model = _validate_input(
             input_file.content, endpoint, config.max_batch_lines, config.max_batch_file_bytes
         )
-        enqueued = 0
-        if config.enqueued_token_limit is not None and not line_errors:
-            enqueued = sum(
-                emodel.prompt_token_count(line.body.get("messages") or []) for line in lines
-            )
         batch = OpenAIBatch(
             id=state.new_id("batch_"),
             seq=state.next_seq(),
@@ -120,7 +117,6 @@ def _create_batch(state: EmulatorState, body: dict[str, Any]) -> Response:
             lines=lines,
             line_errors=line_errors,
             model=batch_model,
-            enqueued_tokens=enqueued,
         )
         batch.times["created"] = now
         state.batches[batch.id] = batch

@@ -99,10 +99,31 @@ def _create_file(
     )
     with state.lock:
         now = state.tick()
+        _check_storage(state, now, len(content))
         if expires_s is None and purpose == "batch":
             expires_s = state.config.file_retention_s
         stored = store_file(state, content, filename, purpose, now, expires_s)
         return json_response(stored.to_json())
+
+
+def _check_storage(state: EmulatorState, now: float, size: int) -> None:
+    """ApiError(400) when an upload of `size` bytes would take the live (unexpired, undeleted)
+    files past `file_storage_limit_bytes`. Batch output files count; they are never refused.
+
+    provider-apis.md gives the limit (2.5 TB per project) but not the refusal; the status,
+    type and null code follow a user's report of the real 400 (bespokelabsai/curator#189),
+    the message is ours."""
+    limit = state.config.file_storage_limit_bytes
+    if limit is None:
+        return
+    stored = sum(len(f.content) for f in state.files.values() if f.alive(now))
+    if stored + size > limit:
+        raise ApiError(
+            400,
+            f"File storage limit reached: the organization keeps {stored} bytes of files and "
+            f"this upload of {size} bytes would pass its limit of {limit} bytes. Delete files "
+            "you no longer need (or let them expire) and try again.",
+        )
 
 
 def parse_expires_after(anchor: Any, seconds: Any, param: str) -> float | None:

@@ -10,7 +10,8 @@ restored state is the state at the snapshot's time, exactly, with its ledger.
 Layout of the folder:
 
     state.pickle        the snapshot: clock, id sequence, file records, unfinished batches,
-                        attempt counters, ledger, prompt cache (pickle: load only your own)
+                        attempt counters, ledger, prompt cache, queue-measurement marks
+                        (pickle: load only your own)
     blobs/content.<id>  a live file's content
     blobs/lines.<id>    a batch's requests, JSON (they never change after the create)
     blobs/batch.<id>    a finished batch (it never changes again)
@@ -41,6 +42,7 @@ import orjson
 
 from lowtide.emulator.anthropic_batches import BatchRequest, MessageBatch
 from lowtide.emulator.ledger import Execution
+from lowtide.emulator.limits import QueueMarks
 from lowtide.emulator.openai_batch_lifecycle import TERMINAL, BatchLine, OpenAIBatch
 from lowtide.emulator.openai_files import StoredFile
 
@@ -68,12 +70,22 @@ class Snapshot:
     attempts: dict[tuple[str, str], int]
     ledger: list[tuple[Any, ...]]  # Execution fields in order (tuples pickle ~5x faster)
     prompt_cache: dict[str, float]
+    queue_marks: QueueMarks
 
 
 def _layout() -> str:
     """The field names of every pickled class: a snapshot written by code whose records had
     other fields is refused instead of loading objects with missing attributes."""
-    classes = (Snapshot, StoredFile, OpenAIBatch, BatchLine, MessageBatch, BatchRequest, Execution)
+    classes = (
+        Snapshot,
+        StoredFile,
+        OpenAIBatch,
+        BatchLine,
+        MessageBatch,
+        BatchRequest,
+        Execution,
+        QueueMarks,
+    )
     return ";".join(
         f"{cls.__name__}:{','.join(f.name for f in dataclasses.fields(cls))}" for cls in classes
     )
@@ -95,6 +107,7 @@ def capture(
     attempts: dict[tuple[str, str], int],
     ledger: Iterable[Execution],
     prompt_cache: dict[str, float],
+    queue_marks: QueueMarks,
 ) -> tuple[Snapshot, Blobs]:
     """The snapshot of a state at simulated time `now` (call it under the state's lock), and
     every blob it names, each as a function that serialises it (only called for blobs not yet
@@ -112,6 +125,7 @@ def capture(
         attempts=dict(attempts),
         ledger=[tuple(vars(e).values()) for e in ledger],
         prompt_cache=dict(prompt_cache),
+        queue_marks=dataclasses.replace(queue_marks),
     )
     for fid, stored in files.items():
         if stored.alive(now):  # a deleted or expired file is gone at the provider too

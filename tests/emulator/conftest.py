@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from lowtide.emulator import Emulator, EmulatorConfig
+from lowtide.emulator import model as emodel
 
 # Simulated timings chosen so tests can land between transitions with round numbers.
 TEST_CONFIG: dict[str, Any] = {
@@ -136,6 +137,19 @@ def upload_batch(client: openai.OpenAI, n: int = 4, **body_extra: Any) -> tuple[
     ]
     uploaded = client.files.create(file=("batch.jsonl", jsonl(lines)), purpose="batch")
     return uploaded.id, ids
+
+
+def upload_named_batch(
+    client: openai.OpenAI, prefix: str, n: int = 4
+) -> tuple[str, list[str], int]:
+    """An n-request chat batch file whose custom_ids start with `prefix` (so batches of one
+    test never share an id); returns (file id, custom ids, the prompt tokens the emulator
+    counts for it: what it holds in the enqueued-token pool)."""
+    bodies = {f"{prefix}-{i}": chat_body(f"{TEXTS[i % len(TEXTS)]} ({prefix})") for i in range(n)}
+    lines = [batch_line(cid, body) for cid, body in bodies.items()]
+    uploaded = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    tokens = sum(emodel.prompt_token_count(body["messages"]) for body in bodies.values())
+    return uploaded.id, list(bodies), tokens
 
 
 def parse_jsonl(text: str) -> list[dict[str, Any]]:

@@ -170,6 +170,20 @@ def test_cancel_then_delete(emu):
         client.messages.batches.retrieve(batch.id)
 
 
+def test_a_batch_that_ended_on_its_own_can_be_deleted(emu):
+    client = anthropic_client(emu)
+    batch = client.messages.batches.create(requests=batch_requests(2))
+    kept = client.messages.batches.create(requests=batch_requests(1))
+    advance(emu, 12)  # 2 requests (1 s each), then 10 s to end
+    assert client.messages.batches.retrieve(batch.id).processing_status == "ended"
+    deleted = client.messages.batches.delete(batch.id)
+    assert (deleted.id, deleted.type) == (batch.id, "message_batch_deleted")
+    for call in (client.messages.batches.retrieve, client.messages.batches.delete):
+        with pytest.raises(anthropic.NotFoundError):
+            call(batch.id)
+    assert [b.id for b in client.messages.batches.list()] == [kept.id]
+
+
 def test_archive_after_29_days(emu):
     client = anthropic_client(emu)
     batch = client.messages.batches.create(requests=batch_requests(1))
