@@ -59,7 +59,8 @@ class TerminalBackendError(BackendError):
 class ProviderQueueFullError(TransientBackendError):
     """A batch create refused because the provider's queue, or its create rate, is full (a 429):
     nothing was created or billed, so the same batch is created again once there is room.
-    `retry_after_s` is the provider's own hint, None when it gave none."""
+    `retry_after_s` is the provider's own hint and `limit` the queue size its message states,
+    each None when it gave none."""
 
     def __init__(
         self,
@@ -68,8 +69,10 @@ class ProviderQueueFullError(TransientBackendError):
         backend: str = "",
         operation: str = "",
         retry_after_s: float | None = None,
+        limit: float | None = None,
     ):
         self.retry_after_s = retry_after_s
+        self.limit = limit
         super().__init__(message, backend=backend, operation=operation)
 
 

@@ -115,7 +115,7 @@ def submit_task(ctx: RunContext, batch_id: str, run_id: str) -> str | None:
     try:
         provider_id = submit_batch(store, ctx.batch_client(), batch_id, ctx.work_dir(run_id))
     except ProviderQueueFullError as e:
-        wait_for_room(ctx, e)
+        wait_for_room(ctx, run_id, e)
         return None
     except TerminalBackendError as e:
         store.fail_batch(batch_id, "rejected", str(e))
@@ -171,19 +171,35 @@ def admit(ctx: RunContext, run_id: str) -> tuple[list[str], str | None]:
     return admitted, first_why
 
 
-def wait_for_room(ctx: RunContext, refusal: ProviderQueueFullError) -> None:
+def wait_for_room(ctx: RunContext, run_id: str, refusal: ProviderQueueFullError) -> None:
     """A create refused with a 429 (queue or create rate full): no batch is created before the
-    provider's `retry-after`; for a request-count queue, what it held when it refused is
-    remembered as its size, so the next batch and the next night do not overfill it."""
+    provider's `retry-after`; for a request-count queue, the size its refusal states (else what
+    it held when it refused) is remembered, so the next batch and the next night do not
+    overfill it."""
     store, model = ctx.store, _queue_model(ctx)
     wait = refusal.retry_after_s if refusal.retry_after_s is not None else QUEUE_WAIT_S
     store.learn_limit(ctx.backend, model, NOT_BEFORE, time.time() + wait, "retry-after")
+    stage_log("submit", "the provider's queue is full; waiting %.0f s (%s)", wait, refusal)
+    if ctx.capabilities.queue != QUEUED_REQUESTS:
+        return
+    if refusal.limit is not None:
+        store.learn_limit(ctx.backend, model, QUEUED_REQUESTS, refusal.limit, "429")
+        return
+    # what the queue held when it refused, as the provider sees it now: batches the store still
+    # counts may have ended since they were last polled
+    backend = ctx.batch_client()
+    live = store.live_provider_batches(run_id)
+    store.record_polls(
+        [
+            (b, backend.poll(p))
+            for b, p in zip(live["batch_id"], live["provider_batch_id"], strict=True)
+        ]
+    )
     held = store.queue_usage(ctx.backend, ctx.job.model.name).requests
-    if ctx.capabilities.queue == QUEUED_REQUESTS and held:
+    if held:
         known = ctx.queue_limits().queued_requests
         if known is None or held < known:
             store.learn_limit(ctx.backend, model, QUEUED_REQUESTS, held, "429")
-    stage_log("submit", "the provider's queue is full; waiting %.0f s (%s)", wait, refusal)
 
 
 def requeue(ctx: RunContext, batch_id: str, refusal: QuotaRefusal) -> None:

@@ -16,6 +16,7 @@ Two Anthropic facts shape the code:
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -121,6 +122,15 @@ def finish_reason(stop_reason: str | None) -> str | None:
 # --------------------------------------------------------------------------- errors
 
 
+_QUEUE_LIMIT = re.compile(r"limit of ([\d,]+)", re.I)
+
+
+def _stated_queue_limit(message: str) -> float | None:
+    """The queue size a queue-full 429 states ("… over the limit of N …"), when it does."""
+    found = _QUEUE_LIMIT.search(message)
+    return float(found.group(1).replace(",", "")) if found else None
+
+
 def translate(exc: BaseException, operation: str, base_url: object = None) -> BackendError:
     """SDK (or transport) exception → transient or terminal, keeping the provider's message.
 
@@ -141,6 +151,7 @@ def translate(exc: BaseException, operation: str, base_url: object = None) -> Ba
             backend="anthropic",
             operation=operation,
             retry_after_s=retry_after_s(exc.response.headers),
+            limit=_stated_queue_limit(str(exc)),
         )
     cls = TransientBackendError if transient else TerminalBackendError
     unreachable = isinstance(exc, anthropic.APIConnectionError | httpx2.TransportError)

@@ -109,6 +109,8 @@ def _provider(point: str, backend: str) -> Iterator[Provider]:
         # in_retry_round: per-request server errors (fixed seed) make a second batch round
         error_rate=0.15 if point == "in_retry_round" else 0.0,
         seed=1,
+        # waiting_for_room on anthropic: its queue holds one shard, so the second create is a 429
+        anthropic_queue_limit=SHARD_MAX_REQUESTS + 5 if point == "waiting_for_room" else None,
     )
     with Emulator(config) as emu:
         if backend == "openai":

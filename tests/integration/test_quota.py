@@ -16,6 +16,7 @@ import polars as pl
 import pytest
 
 from lowtide.emulator import Emulator, EmulatorConfig
+from lowtide.emulator.limits import queue_report
 from tests.integration.conftest import lowtide_cli, write_job
 from tests.sql import query, scalar
 
@@ -159,3 +160,39 @@ def test_a_kill_while_waiting_for_room_resumes_without_paying_twice(tmp_path: Pa
         assert run["run_id"] == crashed_run["run_id"]  # resumed, not started over
         assert run["succeeded"] == ROWS
         assert set(emu.ledger.count_by_custom_id().values()) == {1}
+
+
+def test_anthropic_queue_full_waits_for_room_and_learns_its_size(tmp_path: Path) -> None:
+    """Anthropic's queue (requests waiting, all models) holds two of the run's batches, and its
+    batches take minutes: a full queue is a 429 with `retry-after`, which the run waits out,
+    remembering what the queue held, and nothing is paid twice."""
+    job = write_job(tmp_path, rows=ROWS, eval_rows=10)
+    config = EmulatorConfig(
+        time_scale=600.0,
+        seed=3,
+        error_rate=0.0,
+        batch_seconds_per_request=60.0,  # a 30-request batch runs half a simulated hour
+        anthropic_queue_limit=2 * SHARD + 5,
+    )
+    with Emulator(config) as emu:
+        env = {
+            "ANTHROPIC_BASE_URL": emu.anthropic_base_url,
+            "ANTHROPIC_API_KEY": "x",
+            "LOWTIDE_SHARD_MAX_REQUESTS": str(SHARD),
+            "LOWTIDE_POLL_MAX_INTERVAL_S": "0.5",
+        }
+        done = lowtide_cli("run", str(job), "--backend", "anthropic", cwd=tmp_path, env=env)
+        assert done.returncode == 0, done.stdout + done.stderr
+        run = _last_run()
+        assert run["succeeded"] == ROWS and run["failed"] == 0
+        assert _refusals(run["run_id"]) == 0  # a 429 on create made no batch to refuse
+        learned = query(
+            os.environ["LOWTIDE_STATE"],
+            "SELECT value FROM provider_limits WHERE provider = 'anthropic' "
+            "AND name = 'queued_requests'",
+        )
+        assert learned.rows() == [(2 * SHARD + 5,)]  # as the 429 stated it
+        assert set(emu.ledger.count_by_custom_id().values()) == {1}
+        with emu.state.lock:
+            report = queue_report(emu.state, emu.state.tick())
+        assert report["anthropic"]["*"]["refusals"] >= 1
