@@ -250,6 +250,9 @@ def estimate(q: dict[str, Any]) -> None:
             else "route: not every engine has a price",
             soft_wrap=True,
         )
+    cache_line = prompt_cache_line(q.get("prompt_cache"))
+    if cache_line:
+        console.print(Text(cache_line), soft_wrap=True)
     for name, why in q.get("skipped", {}).items():
         console.print(f"not priced: {escape(name)}: {escape(why)}", soft_wrap=True)
     for note in q.get("assumptions", []):
@@ -259,6 +262,32 @@ def estimate(q: dict[str, Any]) -> None:
             f"[bold yellow]over budget:[/] a run would be refused; raise {escape('[cost]')} "
             "budget_usd in the job file or run fewer rows"
         )
+
+
+def prompt_cache_line(cache: dict[str, Any] | None) -> str | None:
+    """One line on what the provider's prompt cache does with the job's stable prefix (a
+    quote's `prompt_cache`), or None when the engine has none that prices tokens."""
+    if cache is None:
+        return None
+    prefix, minimum = cache["prefix_tokens"], cache["min_tokens"]
+    head = f"prompt cache: the stable prefix is {prefix:,} tokens"
+    whose = f"{cache['provider']}'s minimum"
+    if minimum is None:
+        return (
+            f"{head}; {whose} for {cache['model']} is not in lowtide's table: it may not be cached"
+        )
+    if not cache["cached"]:
+        return f"{head}, below {whose} of {minimum:,} for {cache['model']}: it will not be cached"
+    saved = cache["saved_usd"]
+    what = (
+        "no price to say what that saves"
+        if saved is None
+        else f"saving up to ${saved:.4f} on this job (the estimate counts no cache reads)"
+    )
+    return (
+        f"{head}, enough for {whose} of {minimum:,} for {cache['model']}: each later request "
+        f"reads {cache['cached_tokens_per_request']:,} of them from cache, {what}"
+    )
 
 
 def one_line(text: str) -> str:

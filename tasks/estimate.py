@@ -21,6 +21,14 @@ The quote (`estimate_job`) is a plain dict; `lowtide estimate --json` prints it 
   backends (the price table row of the model that backend would run), or a number (USD) for a
   GPU-hour priced pool; backends that cannot be priced are in `skipped` (name → why);
 - `assumptions`: the figures taken on trust (e.g. the pool's tokens/s), as sentences;
+- `prompt_cache`: what the chosen backend's prompt cache does with the stable prefix (the system
+  prompt and few-shot examples every request repeats), or None for an engine priced by GPU time:
+  `prefix_tokens` (counted as the input tokens are), `provider` and `model` whose rules apply,
+  `min_tokens` (the provider's minimum cacheable prompt for the model; None when lowtide does
+  not know it), `cached` (the prefix reaches it), `cached_tokens_per_request` (read back by
+  each request after the first), `saved_usd` (best case: one cache write, every later request
+  reads; priced like `estimate_usd` with the price table's cached-input price; 0 when nothing is
+  cached, None without a price). `estimate_usd` itself counts no cache reads;
 - `route` (a job with `[route]`, quoted without `--backend`): `steps` (engine, model, `usd` for
   everything left to send on that engine), `best_usd` (the first engine answers all),
   `worst_usd` (the dearest engine of the route answers all) and `unpriced` engines. Rows another
@@ -33,14 +41,15 @@ from typing import Any
 
 import polars as pl
 
-from lowtide.backends import REGISTRY, BackendEntry
+from lowtide.backends import REGISTRY, BackendEntry, prompt_cache
 from lowtide.errors import PriceError, PriceTableError
 from lowtide.jobspec import JobSpec, load_job
 from lowtide.planner import DEFAULT_TOKENS_PER_S
 from lowtide.pricing import Price, load_price
 from lowtide.settings import Settings
 from lowtide.store import Store
-from tasks.assemble import estimate_input_tokens, expected_output_tokens
+from lowtide.tokens import count_tokens
+from tasks.assemble import estimate_input_tokens, expected_output_tokens, fixed_messages
 from tasks.chunk import job_units
 from tasks.dedupe import carry_route_answers, key_units, unique_requests
 from tasks.load import load_eval_set, load_input, mark_value
@@ -140,6 +149,7 @@ def estimate_job(job: JobSpec, settings: Settings, backend: str | None = None) -
     output_tokens = round(n_send * per_request)
 
     by_backend: dict[str, Any] = {}
+    prices: dict[str, Price] = {}
     skipped: dict[str, str] = {}
     assumptions: list[str] = []
     for name, entry in REGISTRY.items():
@@ -157,6 +167,7 @@ def estimate_job(job: JobSpec, settings: Settings, backend: str | None = None) -
         except PriceError as e:
             skipped[name] = str(e)
             continue
+        prices[name] = price
         by_backend[name] = {
             "model": price.model,
             "batch_usd": price.cost(input_tokens, 0, output_tokens, batch=True),
@@ -166,11 +177,17 @@ def estimate_job(job: JobSpec, settings: Settings, backend: str | None = None) -
     chosen = REGISTRY[job.model.backend]
     quote = by_backend.get(chosen.name)
     estimate: float | None
+    share = urgent / n_send if n_send and chosen.has_realtime else 0.0
     if isinstance(quote, dict):
-        share = urgent / n_send if n_send and chosen.has_realtime else 0.0
         estimate = quote["batch_usd"] * (1 - share) + quote["realtime_usd"] * share
     else:
         estimate = quote
+    cache = _prompt_cache_quote(job, chosen, prices.get(chosen.name), n_send, share)
+    if cache is not None and cache["cached"]:
+        assumptions.append(
+            "prompt cache: one cache write, then every later request reads the prefix (a best "
+            "case: batches run in parallel and providers cache on a best-effort basis)"
+        )
     budget = job.cost.budget_usd
     route = _route_quote(job, by_backend) if routed else None
     return {
@@ -198,6 +215,42 @@ def estimate_job(job: JobSpec, settings: Settings, backend: str | None = None) -
         "by_backend": by_backend,
         "skipped": skipped,
         "assumptions": assumptions,
+        "prompt_cache": cache,
+    }
+
+
+def stable_prefix_tokens(job: JobSpec) -> int:
+    """Tokens of what every request of `job` repeats before its own message (the system prompt
+    and the few-shot turns), counted as `estimate_input_tokens` counts them."""
+    return sum(count_tokens(m["content"]) + 4 for m in fixed_messages(job))
+
+
+def _prompt_cache_quote(
+    job: JobSpec, entry: BackendEntry, price: Price | None, n_send: int, urgent_share: float
+) -> dict[str, Any] | None:
+    """The `prompt_cache` field (see the module docstring); None when `entry` has no prompt
+    cache that prices tokens."""
+    model = job.model.name
+    cache = prompt_cache.for_backend(entry, model)
+    if cache is None:
+        return None
+    prefix = stable_prefix_tokens(job)
+    cached = cache.cached_tokens(prefix)
+    saved: float | None = None
+    if price is not None:
+        # urgent requests go at the realtime price, the rest at the batch price
+        rate = price.batch_discount * (1 - urgent_share) + urgent_share
+        reads = cached * max(0, n_send - 1) * (price.input - price.cached_input)
+        write = cached * cache.write_premium * price.input if n_send else 0.0
+        saved = (reads - write) / 1e6 * rate
+    return {
+        "prefix_tokens": prefix,
+        "provider": cache.provider,
+        "model": model,
+        "min_tokens": cache.min_tokens,
+        "cached": cached > 0,
+        "cached_tokens_per_request": cached,
+        "saved_usd": saved,
     }
 
 

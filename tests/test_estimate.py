@@ -16,6 +16,7 @@ from lowtide.planner import DEFAULT_TOKENS_PER_S
 from lowtide.pricing import load_price
 from lowtide.settings import Settings
 from lowtide.store import Store
+from lowtide.tokens import count_tokens
 from tasks.assemble import estimate_usd
 from tasks.estimate import estimate_job, model_name_for
 from tests.integration.conftest import write_job
@@ -143,3 +144,102 @@ def test_cli_table_and_one_line_errors(tmp_path: Path) -> None:
     bad = runner.invoke(app, ["estimate", str(job), "--backend", "nope"])
     assert bad.exit_code == 2 and "unknown backend 'nope'" in bad.output
     assert "Traceback" not in bad.output
+
+
+# -- the prompt cache ----------------------------------------------------------------------------
+
+LONG_PROMPT_END = 'Reply with the JSON object only, no other text."""'
+POLICY_NOTES = "\n".join(
+    f"Policy note {i}: parcels from warehouse {i:03d} are handled by team {i % 7} "
+    f"and reviewed on weekday {i % 5}."
+    for i in range(90)
+)
+LONG_PROMPT = {LONG_PROMPT_END: LONG_PROMPT_END.removesuffix('"""') + "\n\n" + POLICY_NOTES + '"""'}
+
+
+def _prefix_tokens(job: Path) -> int:
+    """System prompt and few-shot turns, each with lowtide's 4 tokens of chat framing."""
+    prompt = load_job(job).prompt
+    texts = [prompt.system] + [t for e in prompt.examples for t in (e.user, e.assistant)]
+    return sum(count_tokens(t) + 4 for t in texts)
+
+
+def test_a_short_stable_prefix_will_not_be_cached(tmp_path: Path) -> None:
+    job = write_job(tmp_path, rows=10, eval_rows=5)
+    prefix = _prefix_tokens(job)
+    assert 700 < prefix < 1024  # the sample: ~525-token system prompt and three examples
+    on_haiku = _quote(job, "anthropic")["prompt_cache"]
+    assert on_haiku == {
+        "prefix_tokens": prefix,
+        "provider": "Anthropic",
+        "model": "claude-haiku-4-5",
+        "min_tokens": 4096,
+        "cached": False,
+        "cached_tokens_per_request": 0,
+        "saved_usd": 0.0,
+    }
+    on_emulator = _quote(job)["prompt_cache"]  # it speaks OpenAI and caches by OpenAI's rules
+    assert (on_emulator["provider"], on_emulator["min_tokens"]) == ("OpenAI", 1024)
+    assert on_emulator["cached"] is False and on_emulator["saved_usd"] == 0.0
+    out = runner.invoke(app, ["estimate", str(job), "--backend", "anthropic"]).output
+    assert (
+        f"the stable prefix is {prefix:,} tokens, below Anthropic's minimum of 4,096 for "
+        "claude-haiku-4-5: it will not be cached"
+    ) in " ".join(out.split())
+    assert not any("prompt cache" in note for note in _quote(job)["assumptions"])
+
+
+def test_a_long_stable_prefix_says_what_caching_saves(tmp_path: Path) -> None:
+    job = write_job(
+        tmp_path,
+        rows=30,
+        eval_rows=5,
+        replace={**LONG_PROMPT, '"claude-haiku-4-5"': '"claude-sonnet-4-5"'},
+    )
+    prefix = _prefix_tokens(job)
+    q = _quote(job)
+    cache, n = q["prompt_cache"], q["requests_to_send"]
+    cached = prefix // 128 * 128  # OpenAI reads back whole 128-token steps
+    assert cache["cached"] is True and cache["cached_tokens_per_request"] == cached
+    # one write at no premium, n - 1 reads at the cached-input price, all at the batch price
+    assert cache["saved_usd"] == pytest.approx((n - 1) * cached * (0.15 - 0.075) / 1e6 * 0.5)
+    assert 0 < cache["saved_usd"] < q["estimate_usd"]
+    assert any("prompt cache: one cache write" in note for note in q["assumptions"])
+
+    sonnet = _quote(job, "anthropic")["prompt_cache"]  # Sonnet 4.5 caches from 1,024 tokens
+    assert (sonnet["min_tokens"], sonnet["cached_tokens_per_request"]) == (1024, prefix)
+    reads = (n - 1) * prefix * (3.00 - 0.30)
+    write = prefix * 0.25 * 3.00  # a write costs 1.25 times the input price
+    assert sonnet["saved_usd"] == pytest.approx((reads - write) / 1e6 * 0.5)
+
+    result = runner.invoke(app, ["estimate", str(job), "--json"])
+    assert orjson.loads(result.stdout)["prompt_cache"] == cache
+    text = " ".join(runner.invoke(app, ["estimate", str(job)]).output.split())
+    assert (
+        f"the stable prefix is {prefix:,} tokens, enough for OpenAI's minimum of 1,024 for "
+        f"gpt-4o-mini: each later request reads {cached:,} of them from cache, saving up to "
+        f"${cache['saved_usd']:.4f} on this job"
+    ) in text
+
+
+def test_a_model_without_a_known_minimum_is_said_so(tmp_path: Path) -> None:
+    job = write_job(
+        tmp_path, rows=5, eval_rows=5, replace={'"claude-haiku-4-5"': '"claude-unpriced"'}
+    )
+    cache = _quote(job, "anthropic")["prompt_cache"]
+    assert cache["min_tokens"] is None and cache["cached"] is False
+    assert cache["saved_usd"] is None  # no price row either
+    out = " ".join(
+        runner.invoke(app, ["estimate", str(job), "--backend", "anthropic"]).output.split()
+    )
+    assert "Anthropic's minimum for claude-unpriced is not in lowtide's table" in out
+
+
+def test_a_job_without_examples_has_the_system_prompt_as_its_prefix(tmp_path: Path) -> None:
+    text = write_job(tmp_path, rows=5, eval_rows=5).read_text()
+    cut = text.index("[[prompt.examples]]")
+    job = tmp_path / "no-examples.toml"
+    job.write_text(text[:cut] + text[text.index("[output]") :])
+    assert load_job(job).prompt.examples == []
+    system = load_job(job).prompt.system
+    assert _quote(job)["prompt_cache"]["prefix_tokens"] == count_tokens(system) + 4

@@ -26,9 +26,11 @@ PASSTHROUGH_PARAMS = frozenset(
 def to_anthropic_params(body: Mapping[str, Any], structured_output: str) -> dict[str, Any]:
     """One stored chat-completions body → the `params` of an Anthropic Messages request.
 
-    - system messages become top-level text blocks; the last one carries
-      `cache_control: ephemeral`, so the shared instructions are a cacheable prefix;
+    - system messages become top-level text blocks;
     - user/assistant messages keep their order (few-shot examples, then the unit);
+    - one `cache_control: ephemeral` breakpoint ends the prefix every request repeats: on the
+      last block of the message before the last (the last few-shot turn), or on the last
+      system block when there are no such turns, so only the unit's message is uncached;
     - `model`, `max_tokens` (or `max_completion_tokens`), `temperature`; `stop` → `stop_sequences`;
     - `response_format.json_schema.schema` → `output_config.format` (structured_output
       "output_config") or a strict forced tool named after the schema ("tool");
@@ -55,7 +57,11 @@ def to_anthropic_params(body: Mapping[str, Any], structured_output: str) -> dict
                 "(expected system, user or assistant)",
                 backend="anthropic",
             )
-    if system:
+    # One breakpoint, at the end of what every request of a job repeats: the system prompt and
+    # the few-shot turns (all messages but the last, the request's own). A breakpoint on the
+    # system block alone would leave the examples out of the cached prefix.
+    marked = len(messages) > 1 and _mark_breakpoint(messages[-2])
+    if not marked and system:
         system[-1]["cache_control"] = {"type": "ephemeral"}
 
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
@@ -85,6 +91,23 @@ def to_anthropic_params(body: Mapping[str, Any], structured_output: str) -> dict
     if output_config:
         params["output_config"] = output_config
     return params
+
+
+def _mark_breakpoint(message: dict[str, Any]) -> bool:
+    """Put `cache_control` on the last block of `message` (a string content becomes one text
+    block); False when it has no text to mark (Anthropic cannot cache an empty block)."""
+    content = message["content"]
+    if isinstance(content, str):
+        if not content:
+            return False
+        message["content"] = [
+            {"type": "text", "text": content, "cache_control": {"type": "ephemeral"}}
+        ]
+        return True
+    if not content or not content[-1]["text"]:
+        return False
+    content[-1]["cache_control"] = {"type": "ephemeral"}  # a block _content built for this request
+    return True
 
 
 def _json_schema(response_format: Any) -> tuple[str, dict[str, Any] | None]:

@@ -3,14 +3,17 @@ executor both it and a message batch's requests go through.
 
 A call is validated as the real API would (400 for a request it rejects), answered by the
 deterministic model (a forced tool or `output_config.format` makes the answer follow a schema),
-billed in the ledger, and priced with Anthropic's explicit prompt cache: the system prefix up
-to the last `cache_control` breakpoint is written by the first request and read by later ones
-within `cache_ttl_s` (an hour when the breakpoint asks for `ttl: "1h"`).
+billed in the ledger, and priced with Anthropic's explicit prompt cache: the prompt prefix up to
+and including the last block that carries `cache_control` (a system block or a message's
+content block) is written by the first request and read by later ones within `cache_ttl_s` (an
+hour when the breakpoint asks for `ttl: "1h"`); a prefix shorter than
+`anthropic_cache_min_tokens` is never cached.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
@@ -81,7 +84,7 @@ def create_message(
         seed=config.seed,
         system=system_text,
     )
-    creation, read, ttl_kind = _prompt_cache(state, model_name, system_blocks, at)
+    creation, read, ttl_kind = _prompt_cache(state, params, system_blocks, at)
     input_tokens = max(0, result.prompt_tokens - creation - read)
     state.ledger.record(
         provider="anthropic",
@@ -180,23 +183,70 @@ def _system_blocks(system: Any) -> list[dict[str, Any]]:
 
 
 def _prompt_cache(
-    state: EmulatorState, model_name: str, system_blocks: list[dict[str, Any]], at: float
+    state: EmulatorState,
+    params: dict[str, Any],
+    system_blocks: list[dict[str, Any]],
+    at: float,
 ) -> tuple[int, int, str | None]:
-    """(cache_creation, cache_read, ttl kind) for the system prefix up to the last
-    `cache_control` breakpoint: the first request writes the cache, later ones read it."""
-    last = max((i for i, b in enumerate(system_blocks) if b.get("cache_control")), default=None)
-    if last is None:
+    """(cache_creation, cache_read, ttl kind) for the prompt prefix that ends with the last
+    block carrying `cache_control`: the first request writes it, a later one with the same
+    prefix within the TTL reads it (and restarts the TTL). A prefix shorter than
+    `anthropic_cache_min_tokens` is not cached: both counts are 0, and no error, as the real
+    API does."""
+    prefix = _cached_prefix(system_blocks, params["messages"])
+    if prefix is None:
         return 0, 0, None
-    prefix = "".join(b.get("text", "") for b in system_blocks[: last + 1])
-    tokens = emodel.prompt_token_count([], prefix) - 3  # the prefix alone, without the primer
+    system_texts, messages, control = prefix
+    tokens = emodel.prefix_token_count(messages, "".join(system_texts) or None)
     if tokens < state.config.anthropic_cache_min_tokens:
-        return 0, 0, None  # too short to cache: silently not cached, like the real API
-    control = system_blocks[last]["cache_control"]
+        return 0, 0, None
     one_hour = isinstance(control, dict) and control.get("ttl") == "1h"
     ttl = _ONE_HOUR_TTL_S if one_hour else state.config.cache_ttl_s
-    key = "anthropic|" + model_name + "|" + hashlib.sha256(prefix.encode()).hexdigest()
+    key = _cache_key(params, system_texts, messages)
     previous = state.prompt_cache.get(key)
     state.prompt_cache[key] = at
     if previous is not None and at - previous <= ttl:
         return 0, tokens, None
     return tokens, 0, "1h" if one_hour else "5m"
+
+
+def _cached_prefix(
+    system_blocks: list[dict[str, Any]], messages: list[Any]
+) -> tuple[list[str], list[dict[str, Any]], Any] | None:
+    """(system texts, messages, its `cache_control`) of the prefix up to and including the
+    last block that carries `cache_control`, in Anthropic's order (system, then messages; a
+    message is cut after that block); None when no block carries one."""
+    for m in range(len(messages) - 1, -1, -1):
+        message = messages[m]
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue  # a string content cannot carry a breakpoint
+        for b in range(len(content) - 1, -1, -1):
+            block = content[b]
+            if isinstance(block, dict) and block.get("cache_control"):
+                head = [*messages[:m], {**message, "content": content[: b + 1]}]
+                return [x.get("text", "") for x in system_blocks], head, block["cache_control"]
+    for s in range(len(system_blocks) - 1, -1, -1):
+        if system_blocks[s].get("cache_control"):
+            texts = [x.get("text", "") for x in system_blocks[: s + 1]]
+            return texts, [], system_blocks[s]["cache_control"]
+    return None
+
+
+def _cache_key(
+    params: dict[str, Any], system_texts: list[str], messages: list[dict[str, Any]]
+) -> str:
+    """What a cached prefix is tied to: the model, the tools and output format (which come
+    before, or change, the system prompt), the prefix's texts, and the tool choice once the
+    prefix reaches the messages (the real API's invalidation table)."""
+    output_config = params.get("output_config")
+    identity = [
+        params.get("model"),
+        params.get("tools"),
+        output_config.get("format") if isinstance(output_config, dict) else None,
+        system_texts,
+        [[m.get("role"), emodel.message_text(m.get("content"))] for m in messages],
+        params.get("tool_choice") if messages else None,
+    ]
+    canonical = json.dumps(identity, sort_keys=True, ensure_ascii=False, default=str)
+    return "anthropic|" + hashlib.sha256(canonical.encode()).hexdigest()

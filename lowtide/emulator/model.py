@@ -133,6 +133,13 @@ def prompt_token_count(messages: list[dict], system: str | None = None) -> int:
     return total + _REPLY_PRIMER_TOKENS
 
 
+def prefix_token_count(messages: list[dict], system: str | None = None) -> int:
+    """Tokens of a prompt's prefix (system + `messages`), counted as `prompt_token_count`
+    counts the whole prompt but without the reply primer: what a prompt cache can hold, so
+    that the prompt's tokens less its cached prefix are exactly the rest of the prompt."""
+    return prompt_token_count(messages, system) - _REPLY_PRIMER_TOKENS
+
+
 def choose_enum(values: list[Any], text: str, field_name: str, model_version: int = 1) -> Any:
     """Pick an enum value for `text` with the keyword heuristic (see the module docstring)."""
     return _rank_enum(values, text, field_name, model_version, count=1)[0]

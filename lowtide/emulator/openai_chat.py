@@ -3,13 +3,14 @@
 
 A call is validated as the real endpoint would (400 for a request it rejects), answered by the
 deterministic model, billed in the ledger with its provider, kind and ids, and priced with
-OpenAI's automatic prompt cache: a repeated system prefix of at least
+OpenAI's automatic prompt cache: a repeated prefix (every message before the last) of at least
 `openai_cache_min_tokens` tokens, seen within `cache_ttl_s`, is served from cache.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -81,7 +82,7 @@ def chat_completion(
         malformed_rate=config.malformed_rate,
         seed=config.seed,
     )
-    cached = _cached_prefix_tokens(state, model_name, messages, at)
+    cached = _cached_prefix_tokens(state, model_name, body, at)
     state.ledger.record(
         provider="openai",
         kind=kind,
@@ -151,22 +152,25 @@ def _response_schema(response_format: Any) -> dict[str, Any] | None:
 
 
 def _cached_prefix_tokens(
-    state: EmulatorState, model_name: str, messages: list[Any], at: float
+    state: EmulatorState, model_name: str, body: dict[str, Any], at: float
 ) -> int:
-    """OpenAI's automatic prompt cache: a repeated system prefix of >= 1024 tokens is served
-    from cache in 128-token steps."""
-    prefix_parts = []
-    for message in messages:
-        if not isinstance(message, dict) or message.get("role") not in ("system", "developer"):
-            break
-        prefix_parts.append(emodel.message_text(message.get("content")))
-    if not prefix_parts:
+    """OpenAI's automatic prompt cache: a repeated prefix of >= `openai_cache_min_tokens`
+    tokens is served from cache in 128-token steps. The prefix is every message before the
+    last (the system prompt and few-shot turns every request of a job repeats; the last
+    message is the request's own), tied to the response format, which OpenAI puts before it."""
+    messages = body["messages"]
+    prefix = [m for m in messages[:-1] if isinstance(m, dict)]
+    if not prefix:
         return 0
-    prefix = "\n".join(prefix_parts)
-    tokens = emodel.prompt_token_count([], prefix) - 3  # drop the reply primer
+    tokens = emodel.prefix_token_count(prefix)
     if tokens < state.config.openai_cache_min_tokens:
         return 0
-    key = "openai|" + model_name + "|" + hashlib.sha256(prefix.encode()).hexdigest()
+    identity = [
+        body.get("response_format"),
+        [[m.get("role"), emodel.message_text(m.get("content"))] for m in prefix],
+    ]
+    canonical = json.dumps(identity, sort_keys=True, ensure_ascii=False, default=str)
+    key = "openai|" + model_name + "|" + hashlib.sha256(canonical.encode()).hexdigest()
     last = state.prompt_cache.get(key)
     state.prompt_cache[key] = at
     if last is None or at - last > state.config.cache_ttl_s:

@@ -160,8 +160,17 @@ FEW_SHOT = [
     {"role": "assistant", "content": '{"label": "b"}'},
     {"role": "user", "content": "the unit"},
 ]
-CACHED_SYSTEM = [{"type": "text", "text": "Label it.", "cache_control": {"type": "ephemeral"}}]
-TURNS = FEW_SHOT[1:]
+EPHEMERAL = {"type": "ephemeral"}
+SYSTEM = [{"type": "text", "text": "Label it."}]
+# the one breakpoint closes the repeated prefix: the last block of the last few-shot turn
+TURNS = [
+    *FEW_SHOT[1:4],
+    {
+        "role": "assistant",
+        "content": [{"type": "text", "text": '{"label": "b"}', "cache_control": EPHEMERAL}],
+    },
+    FEW_SHOT[5],
+]
 
 
 def body(**kw: Any) -> dict[str, Any]:
@@ -176,13 +185,13 @@ def body(**kw: Any) -> dict[str, Any]:
 
 
 TRANSLATIONS = {
-    "output_config: cached system, few-shot order, max_tokens": (
+    "output_config: few-shot order, breakpoint after the examples, max_tokens": (
         body(),
         "output_config",
         {
             "model": "m",
             "max_tokens": 50,
-            "system": CACHED_SYSTEM,
+            "system": SYSTEM,
             "messages": TURNS,
             "temperature": 0.0,
             "output_config": {"format": {"type": "json_schema", "schema": SCHEMA}},
@@ -194,7 +203,7 @@ TRANSLATIONS = {
         {
             "model": "m",
             "max_tokens": 50,
-            "system": CACHED_SYSTEM,
+            "system": SYSTEM,
             "messages": TURNS,
             "temperature": 0.0,
             "tools": [{"name": "label_out", "input_schema": SCHEMA, "strict": True}],
@@ -239,7 +248,7 @@ TRANSLATIONS = {
         {
             "model": "m",
             "max_tokens": 50,
-            "system": CACHED_SYSTEM,
+            "system": SYSTEM,
             "messages": TURNS,
             "temperature": 0.0,
             "stop_sequences": ["END"],
@@ -254,7 +263,7 @@ TRANSLATIONS = {
         {
             "model": "m",
             "max_tokens": 50,
-            "system": CACHED_SYSTEM,
+            "system": SYSTEM,
             "messages": TURNS,
             "temperature": 0.0,
             "output_config": {
@@ -267,6 +276,59 @@ TRANSLATIONS = {
         {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]},
         "tool",
         {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]},
+    ),
+    "examples without a system prompt: the breakpoint on the last text part": (
+        {
+            "model": "m",
+            "max_tokens": 5,
+            "messages": [
+                {"role": "user", "content": "ex"},
+                {
+                    "role": "assistant",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                },
+                {"role": "user", "content": "x"},
+            ],
+        },
+        "output_config",
+        {
+            "model": "m",
+            "max_tokens": 5,
+            "messages": [
+                {"role": "user", "content": "ex"},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "text", "text": "a"},
+                        {"type": "text", "text": "b", "cache_control": EPHEMERAL},
+                    ],
+                },
+                {"role": "user", "content": "x"},
+            ],
+        },
+    ),
+    "an empty last example cannot be cached: the breakpoint stays on the system": (
+        {
+            "model": "m",
+            "max_tokens": 5,
+            "messages": [
+                {"role": "system", "content": "s"},
+                {"role": "user", "content": "ex"},
+                {"role": "assistant", "content": ""},
+                {"role": "user", "content": "x"},
+            ],
+        },
+        "output_config",
+        {
+            "model": "m",
+            "max_tokens": 5,
+            "system": [{"type": "text", "text": "s", "cache_control": EPHEMERAL}],
+            "messages": [
+                {"role": "user", "content": "ex"},
+                {"role": "assistant", "content": ""},
+                {"role": "user", "content": "x"},
+            ],
+        },
     ),
 }
 
@@ -310,8 +372,14 @@ def test_sample_job_lines_keep_a_cacheable_prefix(job: JobSpec) -> None:
     }
     assert len(prefixes) == 1  # identical system + few-shot prefix in every request
     params = requests[0]["params"]
-    assert params["system"][-1]["cache_control"] == {"type": "ephemeral"}
+    # one breakpoint, after the last example: only the unit's own message is left uncached
+    assert orjson.dumps(params).count(b'"cache_control"') == 1
+    assert params["messages"][-2]["content"][-1]["cache_control"] == EPHEMERAL
+    assert params["messages"][-2]["content"][-1]["text"] == job.prompt.examples[-1].assistant
+    assert "cache_control" not in params["system"][-1]
     assert params["system"][0]["text"] == job.prompt.system
+    # the stored lines, whose content gives the request keys and custom_ids, are untouched
+    assert all(b"cache_control" not in line.encode() for line in lines)
     assert len(params["messages"]) == 2 * len(job.prompt.examples) + 1
     assert params["messages"][-1]["role"] == "user"
     assert params["max_tokens"] == job.model.max_tokens

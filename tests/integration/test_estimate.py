@@ -52,12 +52,17 @@ def test_estimate_sends_nothing_and_quotes_the_run_that_follows(tmp_path: Path) 
         assert quote["output_tokens_source"] == "examples"
         assert {"batch_usd", "realtime_usd"} <= set(quote["by_backend"]["emulator"])
         assert quote["estimate_usd"] == pytest.approx(quote["by_backend"]["emulator"]["batch_usd"])
+        # the sample's stable prefix is below OpenAI's minimum: the quote says so, and the run
+        # reads nothing from the provider's cache
+        assert quote["prompt_cache"]["cached"] is False
+        assert quote["prompt_cache"]["prefix_tokens"] < quote["prompt_cache"]["min_tokens"]
 
         first = enrich(job_file=str(job), emulator_url=emu.base_url)
         assert first["status"] == "completed"
         assert first["unique_requests"] == quote["unique_requests"]
         assert first["units"] == quote["units"]
         assert quote["estimate_usd"] == pytest.approx(first["cost_usd"], rel=0.10)
+        assert emu.ledger.total_usage()["cached_input_tokens"] == 0
 
         runs_before = Store(state).list_runs().height
         billed_before = len(emu.ledger.executions())
@@ -73,6 +78,37 @@ def test_estimate_sends_nothing_and_quotes_the_run_that_follows(tmp_path: Path) 
         second = enrich(job_file=str(job), emulator_url=emu.base_url)
         assert second["cache_hits"] == again["cache_hits"]
         assert again["estimate_usd"] == pytest.approx(second["cost_usd"], rel=0.10)
+
+
+def test_a_cacheable_prefix_is_quoted_as_the_emulator_bills_it(tmp_path: Path) -> None:
+    """A system prompt long enough for OpenAI's minimum: the quote's cached tokens per request
+    are what the run reads from the emulated provider's cache after its first request, and the
+    quote less what caching saves is what the run costs."""
+    end = 'Reply with the JSON object only, no other text."""'
+    notes = "\n".join(
+        f"Policy note {i}: parcels from warehouse {i:03d} are handled by team {i % 7} "
+        f"and reviewed on weekday {i % 5}."
+        for i in range(90)
+    )
+    job = write_job(
+        tmp_path,
+        rows=30,
+        eval_rows=4,
+        replace={end: end.removesuffix('"""') + "\n\n" + notes + '"""'},
+    )
+    with Emulator(EmulatorConfig(time_scale=600.0, error_rate=0.0, seed=3)) as emu:
+        quote = _estimate(job)
+        cache = quote["prompt_cache"]
+        assert cache["cached"] is True and cache["cached_tokens_per_request"] >= 1024
+        run = enrich(job_file=str(job), emulator_url=emu.base_url)
+        assert run["status"] == "completed" and run["requests_sent"] == quote["requests_to_send"]
+        billed = emu.ledger.total_usage()
+        # one write, then every request reads the prefix: the quote's best case, met here
+        expected = (run["requests_sent"] - 1) * cache["cached_tokens_per_request"]
+        assert billed["cached_input_tokens"] == expected
+        with_cache = quote["estimate_usd"] - cache["saved_usd"]
+        assert with_cache == pytest.approx(run["cost_usd"], rel=0.10)
+        assert quote["estimate_usd"] > 1.5 * run["cost_usd"]  # without caching: far off
 
 
 def test_budget_refusal_names_the_key_and_sends_nothing(
