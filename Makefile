@@ -8,7 +8,7 @@ export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_LOGGING_LEVEL ?= WARNING
 
-.PHONY: demo test lint format install clean bench-engine bench-pool bench-pool-sweep bench-pipeline bench-scale serve
+.PHONY: demo test lint format install clean bench-engine bench-pool bench-pool-sweep bench-pipeline bench-scale bench-quota serve
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ bench-pipeline: $(STAMP)
 # the whole `lowtide run` at ROWS rows beside the floor (needs ../shared/bench; skips without it)
 bench-scale: $(STAMP)
 	$(PY) bench/bench_scale.py --rows $(ROWS)
+
+# the sample job in 100 shards against an OpenAI queue that holds three (a learned limit)
+bench-quota: $(STAMP)
+	$(PY) bench/bench_quota.py
 
 # The feeder sweep (4/16/64 engines) prints its table first; bench_pool.py's line stays last.
 FEEDERS ?= 1

@@ -140,6 +140,10 @@ def advance(ctx: RunContext, run_id: str, wait: bool, until: datetime | None = N
         room = functools.partial(next_batch_room, ctx, run_id) if waiting else None
         stop = until if not waiting else earliest(until, deadline(ctx, run_id))
         ended = poll_task(ctx, run_id, wait, stop, room)
+        if waiting and wait and not is_due(until):
+            # room opened: fill it before downloading what ended, so the queue is not left short
+            # while results are joined and parsed
+            send_pending(ctx, run_id)
         collect_ended(ctx, run_id)
         if waiting:
             if not wait or is_due(until):
@@ -209,10 +213,12 @@ def send_pending(ctx: RunContext, run_id: str) -> bool:
             submit_task(ctx, batch_id, run_id)
         if why is not None:
             stage_log("submit", "%d batch(es) wait for room: %s", len(unsent) - len(sent), why)
-    if pending_realtime or sent:
+    waiting = ctx.entry.mode == "batch" and bool(store.unsent_provider_batches(run_id))
+    if pending_realtime or sent or waiting:
+        # batches waiting for the provider's queue are handed over too: `collect` sends them
         store.fold_reasks()
         store.mark_submitted(run_id)
-    return ctx.entry.mode == "batch" and bool(store.unsent_provider_batches(run_id))
+    return waiting
 
 
 QUEUE_DEADLINE = (

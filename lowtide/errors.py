@@ -49,7 +49,19 @@ class BackendError(LowtideError, RuntimeError):
 
 
 class TransientBackendError(BackendError):
-    """Rate limits, 5xx, timeouts, dropped connections: worth retrying later."""
+    """Rate limits, 5xx, timeouts, dropped connections: worth retrying later. `retry_after_s`
+    is the provider's own hint (`retry-after`), None when it gave none: a retry waits for it."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        backend: str = "",
+        operation: str = "",
+        retry_after_s: float | None = None,
+    ):
+        self.retry_after_s = retry_after_s
+        super().__init__(message, backend=backend, operation=operation)
 
 
 class TerminalBackendError(BackendError):
@@ -71,9 +83,8 @@ class ProviderQueueFullError(TransientBackendError):
         retry_after_s: float | None = None,
         limit: float | None = None,
     ):
-        self.retry_after_s = retry_after_s
         self.limit = limit
-        super().__init__(message, backend=backend, operation=operation)
+        super().__init__(message, backend=backend, operation=operation, retry_after_s=retry_after_s)
 
 
 class PublishError(LowtideError):

@@ -53,11 +53,20 @@ def in_process(timings: Path | None = None) -> Iterator[None]:
         _IN_PROCESS.reset(token)
 
 
+RETRY_AFTER_MAX_S = 600.0
+"""The longest a provider's `retry-after` holds a task before its retry (longer hints are
+cut to this: the run's lease and progress must not go quiet for hours)."""
+
+
 def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
-    """Prefect's retry condition for tasks that talk to a provider: only transient errors."""
+    """Prefect's retry condition for tasks that talk to a provider: only transient errors, and
+    not before the provider's `retry-after` (waited here, so Prefect's runs and the plain ones
+    honour it alike; the task's own retry delay follows)."""
     try:
         state.result()
-    except TransientBackendError:
+    except TransientBackendError as e:
+        if e.retry_after_s:
+            time.sleep(min(e.retry_after_s, RETRY_AFTER_MAX_S))
         return True
     except Exception:  # noqa: BLE001 - any other failure is terminal for this task
         return False

@@ -43,8 +43,8 @@ QUEUE_WAIT_S = 30.0
 """How long to wait after a queue-full 429 that carried no `retry-after`."""
 
 PIECES_PER_QUEUE = 3
-"""A batch larger than the queue is cut into pieces of a third of it, so that while one piece
-ends and the next is created the queue still holds two."""
+"""A batch larger than a third of the queue is cut into pieces of at most a third, so that while
+one ends and the next is created the queue still holds two, and pieces pack it closely."""
 
 
 def submit_batch(
@@ -133,17 +133,17 @@ def _queue_model(ctx: RunContext) -> str:
 
 def admit(ctx: RunContext, run_id: str) -> tuple[list[str], str | None]:
     """The run's unsent batches that may be created now, in sending order, and why the others
-    wait (None when none do). A batch larger than the queue's token limit is first cut to fit;
-    one that does not fit the room left is passed over for a later, smaller one that does."""
+    wait (None when none do). A batch larger than a third of the queue's token limit is first
+    cut into pieces of a third; one that does not fit the room left is passed over for a later,
+    smaller one that does."""
     store, limits = ctx.store, ctx.queue_limits()
     unsent = store.unsent_batch_sizes(run_id)
     cap = limits.enqueued_tokens
     if cap is not None and math.isfinite(cap):
-        too_big = unsent.filter(
-            (pl.col("est_tokens") > cap * PLANNING_SHARE) & (pl.col("n_requests") > 1)
-        )
+        piece = int(cap * PLANNING_SHARE / PIECES_PER_QUEUE)
+        too_big = unsent.filter((pl.col("est_tokens") > piece) & (pl.col("n_requests") > 1))
         for batch_id in too_big["batch_id"]:
-            pieces = store.split_batch(batch_id, int(cap * PLANNING_SHARE / PIECES_PER_QUEUE))
+            pieces = store.split_batch(batch_id, piece)
             stage_log("submit", "%s cut in %d to fit the provider's queue", batch_id, len(pieces))
         if too_big.height:
             unsent = store.unsent_batch_sizes(run_id)
@@ -152,11 +152,15 @@ def admit(ctx: RunContext, run_id: str) -> tuple[list[str], str | None]:
     admitted: list[str] = []
     first_why: str | None = None
     now = time.time()
-    for batch_id, n_requests, tokens in unsent.iter_rows():
+    for batch_id, n_requests, tokens, wait_below in unsent.iter_rows():
         if room_for(Batch(0, 0), limits, usage, now=now, probe=probe) is not None:
             # the provider's wait, its create rate or a batch awaiting admission: nothing goes
             return admitted, first_why or room_for(Batch(0, 0), limits, usage, now=now, probe=probe)
         why = room_for(Batch(tokens, n_requests), limits, usage, now=now, probe=probe)
+        if why is None and wait_below is not None and usage.tokens >= wait_below:
+            # refused before while the queue held this much: the provider counts it larger
+            # than lowtide's estimate, so it waits until the queue holds less
+            why = f"refused with {wait_below:,} tokens queued; waiting for less"
         if why is not None:
             first_why = first_why or why
             continue
@@ -213,7 +217,7 @@ def requeue(ctx: RunContext, batch_id: str, refusal: QuotaRefusal) -> None:
     limit = refusal.limit if refusal.limit is not None else (others if others > 0 else None)
     if limit is not None:
         store.learn_limit(ctx.backend, model, refusal.limit_name, limit, "refusal")
-    store.requeue_refused(batch_id, ctx.backend, model, refusal.reason)
+    store.requeue_refused(batch_id, ctx.backend, model, refusal.reason, max(others, 0))
     stage_log(
         "submit",
         "%s refused for the provider's queue limit: sent again when there is room",

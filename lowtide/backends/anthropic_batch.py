@@ -153,10 +153,18 @@ def translate(exc: BaseException, operation: str, base_url: object = None) -> Ba
             retry_after_s=retry_after_s(exc.response.headers),
             limit=_stated_queue_limit(str(exc)),
         )
-    cls = TransientBackendError if transient else TerminalBackendError
     unreachable = isinstance(exc, anthropic.APIConnectionError | httpx2.TransportError)
     where = f" (cannot reach {base_url})" if unreachable and base_url else ""
-    return cls(f"{operation}: {exc}{where}", backend="anthropic", operation=operation)
+    message = f"{operation}: {exc}{where}"
+    if not transient:
+        return TerminalBackendError(message, backend="anthropic", operation=operation)
+    response = getattr(exc, "response", None)
+    return TransientBackendError(
+        message,
+        backend="anthropic",
+        operation=operation,
+        retry_after_s=retry_after_s(response.headers) if response is not None else None,
+    )
 
 
 # A results stream broken while its body is read: anthropic before 2.17 lets the transport

@@ -130,8 +130,12 @@ def translate(exc: openai.OpenAIError, operation: str, base_url: object = None) 
             if isinstance(exc, openai.APIConnectionError) and base_url
             else ""
         )
+        response = getattr(exc, "response", None)
         return TransientBackendError(
-            f"{operation}: {exc}{where}", backend="openai", operation=operation
+            f"{operation}: {exc}{where}",
+            backend="openai",
+            operation=operation,
+            retry_after_s=retry_after_s(response.headers) if response is not None else None,
         )
     if (
         operation == "create"

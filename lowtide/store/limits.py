@@ -73,14 +73,17 @@ class LimitsStore(ManifestStore):
             creates_last_hour=int(creates or 0),
         )
 
-    def requeue_refused(self, batch_id: str, provider: str, model: str, reason: str) -> None:
+    def requeue_refused(
+        self, batch_id: str, provider: str, model: str, reason: str, queued_tokens: int
+    ) -> None:
         """The provider refused the batch for its quota (it ran nothing): keep the refused id
-        apart and put the batch back to be created again, with its uploaded file."""
+        apart and put the batch back to be created again, with its uploaded file, once the
+        queue holds fewer than `queued_tokens` (what else it held when it refused)."""
         with self._transaction() as con:
             con.execute(
-                "INSERT INTO quota_refusals SELECT batch_id, run_id, ?, ?, provider_batch_id, ?, ? "
-                "FROM batches WHERE batch_id = ?",
-                [provider, model, reason, now(), batch_id],
+                "INSERT INTO quota_refusals SELECT batch_id, run_id, ?, ?, provider_batch_id, ?, "
+                "?, ? FROM batches WHERE batch_id = ?",
+                [provider, model, reason, now(), queued_tokens, batch_id],
             )
             con.execute(
                 "UPDATE batches SET status = CASE WHEN input_file_id IS NULL THEN ? ELSE ? END, "
@@ -97,12 +100,15 @@ class LimitsStore(ManifestStore):
         )
 
     def unsent_batch_sizes(self, run_id: str) -> pl.DataFrame:
-        """(batch_id, n_requests, est_tokens) of the run's provider batches not created yet, in
-        sending order."""
+        """(batch_id, n_requests, est_tokens, wait_below) of the run's provider batches not
+        created yet, in sending order; `wait_below` is set for a batch the provider refused for
+        its quota: what else the queue held then (it goes again once the queue holds less)."""
         return self._query(
-            "SELECT batch_id, n_requests, coalesce(est_tokens, 0) AS est_tokens FROM batches "
-            "WHERE run_id = ? AND provider_batch_id IS NULL AND backend <> ? "
-            "AND list_contains(?, status) ORDER BY attempt, shard, batch_id",
+            "SELECT b.batch_id, b.n_requests, coalesce(b.est_tokens, 0) AS est_tokens, "
+            "(SELECT min(q.queued_tokens) FROM quota_refusals q WHERE q.batch_id = b.batch_id) "
+            "AS wait_below FROM batches b "
+            "WHERE b.run_id = ? AND b.provider_batch_id IS NULL AND b.backend <> ? "
+            "AND list_contains(?, b.status) ORDER BY b.attempt, b.shard, b.batch_id",
             [run_id, REALTIME_BACKEND, sql_list(UNSENT)],
         )
 

@@ -401,7 +401,9 @@ MIGRATIONS.append(
         "CREATE TABLE quota_refusals ("
         " batch_id VARCHAR NOT NULL, run_id VARCHAR NOT NULL, provider VARCHAR NOT NULL,"
         " model VARCHAR NOT NULL, provider_batch_id VARCHAR, reason VARCHAR NOT NULL,"
-        " refused_at TIMESTAMP NOT NULL);",
+        " refused_at TIMESTAMP NOT NULL, queued_tokens BIGINT NOT NULL DEFAULT 0);",
+        # `queued_tokens`: what else the queue held (lowtide's count) when it refused; the
+        # batch is not sent again before the queue holds less
     )
 )
 

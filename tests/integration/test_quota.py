@@ -17,10 +17,14 @@ import pytest
 
 from lowtide.emulator import Emulator, EmulatorConfig
 from lowtide.emulator.limits import queue_report
+from tests.conftest import REPO
 from tests.integration.conftest import lowtide_cli, write_job
 from tests.sql import query, scalar
 
 pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.slow]
+
+RESULTS: dict[str, dict] = {}
+"""Each case's outcome, for the table in docs/reliability.md (written by the last test)."""
 
 ROWS = 150
 SHARD = 30  # requests per batch: ~24,000 estimated prompt tokens each for the sample job
@@ -55,6 +59,20 @@ def _refusals(run_id: str) -> int:
             [run_id],
         )
     )
+
+
+def _record(case: str, provider: str, emu: Emulator, runs: list[dict]) -> None:
+    """One row of the reliability table: what the provider's ledger and the state file say."""
+    executed = emu.ledger.count_by_custom_id()
+    RESULTS[case] = {
+        "provider": provider,
+        "nights": len(runs),
+        "refusals": " / ".join(str(_refusals(r["run_id"])) for r in runs),
+        "rows": sum(r["rows"] for r in runs),
+        "lost": sum(r["rows"] - r["succeeded"] - r["failed"] for r in runs),
+        "failed": sum(r["failed"] for r in runs),
+        "paid_twice": sum(n - 1 for n in executed.values() if n > 1),
+    }
 
 
 def _last_run() -> dict:
@@ -102,15 +120,16 @@ def test_a_queue_smaller_than_the_job_is_learned_once_and_remembered(tmp_path: P
         assert len(executed) == sent
         refused = [b for b in emu.state.batches.values() if b.status == "failed"]
         assert all(b.executed == 0 for b in refused)
+        _record(
+            "OpenAI queue of 3 batches, limit unknown, two nights", "openai", emu, [night1, night2]
+        )
 
 
 def test_a_batch_larger_than_the_queue_is_cut_to_fit(tmp_path: Path) -> None:
     """Shards of 60 requests (~48,000 tokens) against a queue of 40,000: the refusal states the
     limit, the batch is cut, and every row is answered once."""
     job = write_job(tmp_path, rows=90, eval_rows=5)
-    config = EmulatorConfig(
-        time_scale=600.0, seed=3, error_rate=0.0, enqueued_token_limit=40_000
-    )
+    config = EmulatorConfig(time_scale=600.0, seed=3, error_rate=0.0, enqueued_token_limit=40_000)
     with Emulator(config) as emu:
         env = _env(emu, tmp_path, LOWTIDE_SHARD_MAX_REQUESTS="60")
         done = lowtide_cli("run", str(job), "--backend", "openai", cwd=tmp_path, env=env)
@@ -124,6 +143,7 @@ def test_a_batch_larger_than_the_queue_is_cut_to_fit(tmp_path: Path) -> None:
         )
         assert pieces >= 2
         assert set(emu.ledger.count_by_custom_id().values()) == {1}
+        _record("a batch larger than the whole queue", "openai", emu, [run])
 
 
 def test_configured_limits_need_no_refusal(tmp_path: Path) -> None:
@@ -139,6 +159,7 @@ def test_configured_limits_need_no_refusal(tmp_path: Path) -> None:
         run = _last_run()
         assert _refusals(run["run_id"]) == 0 and run["succeeded"] == ROWS
         assert not [b for b in emu.state.batches.values() if b.status == "failed"]
+        _record("limit stated in [limits.openai]", "openai", emu, [run])
 
 
 def test_a_kill_while_waiting_for_room_resumes_without_paying_twice(tmp_path: Path) -> None:
@@ -160,6 +181,7 @@ def test_a_kill_while_waiting_for_room_resumes_without_paying_twice(tmp_path: Pa
         assert run["run_id"] == crashed_run["run_id"]  # resumed, not started over
         assert run["succeeded"] == ROWS
         assert set(emu.ledger.count_by_custom_id().values()) == {1}
+        _record("SIGKILL while waiting for room, then resumed", "openai", emu, [run])
 
 
 def test_anthropic_queue_full_waits_for_room_and_learns_its_size(tmp_path: Path) -> None:
@@ -196,3 +218,35 @@ def test_anthropic_queue_full_waits_for_room_and_learns_its_size(tmp_path: Path)
         with emu.state.lock:
             report = queue_report(emu.state, emu.state.tick())
         assert report["anthropic"]["*"]["refusals"] >= 1
+        _record("Anthropic queue of 2 batches (429, retry-after)", "anthropic", emu, [run])
+
+
+def test_write_the_quota_table() -> None:
+    """Runs after the cases (file order): the table in docs/reliability.md."""
+    if len(RESULTS) < 5:
+        pytest.skip("the cases did not all run in this session")
+    lines = [
+        "The sample job against an emulated provider whose queue is smaller than the job "
+        "(`tests/integration/test_quota.py`); `refused` counts batches the provider refused for "
+        "its quota, per night; `paid twice` is from the emulator's billing ledger.",
+        "",
+        "| case | provider | nights | refused | rows | rows lost | rows failed | paid twice |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for case, r in RESULTS.items():
+        lines.append(
+            f"| {case} | {r['provider']} | {r['nights']} | {r['refusals']} | {r['rows']} | "
+            f"{r['lost']} | {r['failed']} | {r['paid_twice']} |"
+        )
+    doc = REPO / "docs" / "reliability.md"
+    text = doc.read_text()
+    start = "<!-- quota:start (written by tests/integration/test_quota.py) -->"
+    end = "<!-- quota:end -->"
+    block = f"{start}\n" + "\n".join(lines) + f"\n{end}"
+    if start in text:
+        head, _, rest = text.partition(start)
+        _, _, tail = rest.partition(end)
+        text = head + block + tail
+    else:
+        text = text.rstrip("\n") + f"\n\n## Provider queues\n\n{block}\n"
+    doc.write_text(text)
