@@ -230,6 +230,12 @@ class PoolSpec(_Strict):
         return self
 
 
+class ProviderSpec(_Strict):
+    """What the run leaves at a batch provider once its results are stored (docs/job-file.md)."""
+
+    keep_files: bool = False  # keep uploads, result files and ended batches (no expiry asked)
+
+
 class JobSpec(_Strict):
     name: str
     description: str = ""
@@ -243,6 +249,7 @@ class JobSpec(_Strict):
     pool: PoolSpec = Field(default_factory=PoolSpec)
     retry: RetrySpec = Field(default_factory=RetrySpec)
     route: RouteSpec | None = None
+    provider: ProviderSpec = Field(default_factory=ProviderSpec)
 
     # filled by load_job, not by the file
     source_path: str = ""
