@@ -40,6 +40,10 @@ ROUND_POINTS = (
 
 PUBLISH_POINTS = ("mid_publish",)  # the run finished in the store, the published file not swapped
 
+RELEASE_POINTS = ("before_release",)
+"""Batches collected (their results committed), what the provider keeps of them not yet deleted
+(tests/integration/test_leftovers.py: the next collect, or `lowtide leftovers`, deletes it)."""
+
 ALL_POINTS = (*PREPARE_POINTS, *POINTS, *ROUND_POINTS, *POOL_POINTS, *PUBLISH_POINTS)
 """Every crash point in pipeline order (tests/integration/test_crash_matrix.py kills a run at
 each, on every backend where it applies)."""
