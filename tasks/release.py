@@ -30,8 +30,12 @@ def release_batches(
 ) -> dict[str, int]:
     """Delete (or, with `keep`, record as kept) what the provider keeps of each batch, and
     mark each batch released; returns counts of items `deleted`, `kept` and `failed`, and of
-    batches `unreleased` (their items could not be looked up)."""
+    batches `unreleased` (their items could not be looked up). What became of every item is
+    recorded in one transaction at the end: a delete is safe to repeat, so a crash before that
+    only makes the next pass find those items gone."""
     counts = {"deleted": 0, "kept": 0, "failed": 0, "unreleased": 0}
+    outcomes: list[dict[str, Any]] = []
+    released: list[str] = []
     for refs in batches:
         try:
             items = backend.kept_items(refs)
@@ -45,12 +49,11 @@ def release_batches(
                 level=logging.WARNING,
             )
             continue
-        outcomes = [dispose(backend, item, keep) for item in items]
-        store.record_items(outcomes, released=[refs.batch_id])
-        for outcome in outcomes:
-            counts[
-                "kept" if outcome["kept"] else "deleted" if outcome["deleted"] else "failed"
-            ] += 1
+        outcomes += [dispose(backend, item, keep) for item in items]
+        released.append(refs.batch_id)
+    store.record_items(outcomes, released=released)
+    for outcome in outcomes:
+        counts["kept" if outcome["kept"] else "deleted" if outcome["deleted"] else "failed"] += 1
     if counts["failed"]:
         stage_log(
             "release",

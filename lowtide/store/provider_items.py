@@ -72,6 +72,8 @@ class ProviderItemsStore(Database):
         `provider_id`, `batch_id`, `role`, `bytes`, `kept`, `deleted` (lowtide deleted it),
         `gone` (found gone without deleting it) and `error` (why a delete failed; None clears
         it). The batches in `released` are marked dealt with."""
+        if not items and not released:
+            return
         with self._transaction() as con:
             for item in items:
                 con.execute(

@@ -112,6 +112,8 @@ def test_a_job_that_keeps_its_files_keeps_them_until_it_no_longer_does(
         assert _left(s["run_id"]) == {"count": 0, "bytes": 0}
         code, again = _cli("leftovers", str(job), "--backend", backend)
         assert code == 0 and again["items"] == []
+        shown = CliRunner().invoke(app, ["leftovers", str(job), "--backend", backend])
+        assert shown.exit_code == 0 and "nothing left at the provider" in shown.stdout
 
 
 def test_a_refused_delete_leaves_the_run_green_and_the_file_listed_expiring_in_a_week(
@@ -146,6 +148,8 @@ def test_a_refused_delete_leaves_the_run_green_and_the_file_listed_expiring_in_a
         orphan = openai.OpenAI(base_url=emu.openai_base_url, api_key="x").files.create(
             file=(f"{batch_id}.jsonl", b"{}\n"), purpose="batch"
         )
+        shown = CliRunner().invoke(app, ["leftovers", str(job)])
+        assert shown.exit_code == 0 and f"{len(left) + 1} left" in shown.stdout
         code, listed = _cli("leftovers", str(job), "--delete")
         assert code == 1  # the provider still refuses: said, and nothing claimed deleted
         assert sorted(i["provider_id"] for i in listed["items"]) == sorted([*left, orphan.id])
