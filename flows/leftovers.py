@@ -47,7 +47,8 @@ def sweep(
     left, deleted, failed}."""
     job = load_job(job_file, backend)
     found: list[dict[str, Any]] = []
-    if backend_entry(job.model.backend).mode == "batch":  # a pool keeps nothing at a provider
+    # a pool keeps nothing at a provider; without a state file no batch of the job is known
+    if backend_entry(job.model.backend).mode == "batch" and settings.state.is_file():
         with run_context(settings, job, emulator_url) as ctx:
             batches = ctx.store.job_batch_refs(job.name, ctx.backend)
             if batches.height:
