@@ -43,6 +43,7 @@ from tasks.poll import poll_task
 from tasks.qa import qa_task
 from tasks.realtime import realtime_task
 from tasks.reconcile import reconcile_task
+from tasks.release import release_collected
 from tasks.retry import retry_round_task
 from tasks.stream import stream_task
 from tasks.submit import admit, prepare_lines_task, submit_task
@@ -254,7 +255,8 @@ def collect_ended(ctx: RunContext, run_id: str) -> None:
     """Join and parse every ended, uncollected batch of the run. Parsed batches are stored
     together (`STORE_ROWS` results at a time, and at the end); a batch is collected once its
     results are stored. When a batch fails, those parsed before it are stored (`keep_parsed`)
-    and the failure is raised."""
+    and the failure is raised. Then what the provider keeps of the collected batches is
+    deleted (`release_collected`)."""
     ended = ctx.store.ended_uncollected_batches(run_id)
     waiting: list[dict] = []  # parsed, stored with a later batch (`STORE_ROWS`)
     try:
@@ -270,6 +272,7 @@ def collect_ended(ctx: RunContext, run_id: str) -> None:
         raise
     if ended:
         ctx.store.fold_reasks()
+    release_collected(ctx, run_id, ended)
 
 
 def keep_parsed(ctx: RunContext, waiting: list[dict]) -> None:

@@ -12,6 +12,7 @@ from typer.core import TyperGroup
 from lowtide import render
 from lowtide.backends import KNOWN, backend_entry
 from lowtide.cli_flows import Terminated, prefect_env, run_job, with_progress
+from lowtide.cli_leftovers import leftovers
 from lowtide.cli_shards import shards_app
 from lowtide.errors import LowtideError
 from lowtide.interrupts import forget_signal, interrupt_for, is_interrupt
@@ -363,6 +364,7 @@ def _register_emulator() -> None:
 _register_emulator()
 
 app.add_typer(shards_app, name="shards")
+app.command("leftovers")(leftovers)
 
 qa_app = typer.Typer(no_args_is_help=True, help="Human review of a run's QA sample.")
 app.add_typer(qa_app, name="qa")

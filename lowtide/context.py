@@ -146,7 +146,11 @@ def run_context(
         yield RunContext(
             job=job,
             backend=entry.name,
-            connection=Connection(emulator_url=url, api_key_block=job.model.api_key_block),
+            connection=Connection(
+                emulator_url=url,
+                api_key_block=job.model.api_key_block,
+                keep_files=job.provider.keep_files,
+            ),
             price=price,
             state_path=str(settings.state),
             db_path=str(settings.db),

@@ -42,11 +42,16 @@ ROUND_POINTS = (
 
 PUBLISH_POINTS = ("mid_publish",)  # the run finished in the store, the published file not swapped
 
+RELEASE_POINTS = ("before_release",)
+"""Batches collected (their results committed), what the provider keeps of them not yet deleted
+(tests/integration/test_leftovers.py: the next collect, or `lowtide leftovers`, deletes it)."""
+
 ALL_POINTS = (
     *PREPARE_POINTS,
     *POINTS,
     *QUEUE_POINTS,
     *ROUND_POINTS,
+    *RELEASE_POINTS,
     *POOL_POINTS,
     *PUBLISH_POINTS,
 )

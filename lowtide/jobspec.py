@@ -239,6 +239,12 @@ class PoolSpec(_Strict):
         return self
 
 
+class ProviderSpec(_Strict):
+    """What the run leaves at a batch provider once its results are stored (docs/job-file.md)."""
+
+    keep_files: bool = False  # keep uploads, result files and ended batches (no expiry asked)
+
+
 class JobSpec(_Strict):
     name: str
     description: str = ""
@@ -254,6 +260,7 @@ class JobSpec(_Strict):
     route: RouteSpec | None = None
     limits: dict[str, LimitsSpec] = Field(default_factory=dict)
     """The provider account's limits per backend name (`[limits.openai] enqueued_tokens = …`)."""
+    provider: ProviderSpec = Field(default_factory=ProviderSpec)
 
     # filled by load_job, not by the file
     source_path: str = ""

@@ -180,6 +180,7 @@ def status_tables(records: list[dict[str, Any]], one_run: bool) -> None:
             f"{r.get('cost_usd') or 0:.4f}",
         )
     console.print(t)
+    _left_at_provider(records)
     if one_run:
         bt = Table("batch", "status", "provider id", "requests", "counts")
         for b in records[0]["batches"]:
@@ -199,6 +200,19 @@ def status_tables(records: list[dict[str, Any]], one_run: bool) -> None:
                 f"QA review: {m['qa_reviewed']:.0f} reviewed, accuracy "
                 f"{m['qa_reviewed_accuracy']:.1%} (95% CI {m['qa_accuracy_ci_low']:.1%} to "
                 f"{m['qa_accuracy_ci_high']:.1%})"
+            )
+
+
+def _left_at_provider(records: list[dict[str, Any]]) -> None:
+    """One line per run that left files (or batches) at its provider: kept by the job, or a
+    delete that failed."""
+    for r in records:
+        left = r.get("left_at_provider") or {}
+        if left.get("count"):
+            console.print(
+                f"run {r['run_id']} left {left['count']} item(s), {left['bytes']:,} bytes at "
+                f"the provider; `lowtide leftovers JOB_FILE` lists them",
+                soft_wrap=True,
             )
 
 

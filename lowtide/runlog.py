@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 
-def stage_log(stage: str, message: str, *args: Any) -> None:
+def stage_log(stage: str, message: str, *args: Any, level: int = logging.INFO) -> None:
     logger: logging.Logger | logging.LoggerAdapter[logging.Logger] = logging.getLogger(
         f"lowtide.{stage}"
     )
@@ -23,4 +23,4 @@ def stage_log(stage: str, message: str, *args: Any) -> None:
 
         with contextlib.suppress(MissingContextError):
             logger = get_run_logger()
-    logger.info(f"{stage}: {message}", *args)
+    logger.log(level, f"{stage}: {message}", *args)

@@ -106,3 +106,12 @@ ANSWERED = (Outcome.OK.value, Outcome.REPAIRED.value, Outcome.REASKED.value)
 def sql_list(values: frozenset[StrEnum] | tuple[str, ...]) -> list[str]:
     """Plain strings of a status set, sorted, for a query parameter."""
     return sorted(str(v) for v in values)
+
+
+class ItemRole(StrEnum):
+    """What a thing lowtide left at a provider is to its batch (`provider_items.role`)."""
+
+    INPUT = "input"  # the uploaded request file (OpenAI)
+    OUTPUT = "output"  # the answers file the provider wrote
+    ERROR = "error"  # the failed requests' file the provider wrote
+    BATCH = "batch"  # the batch itself, holding its requests and results (Anthropic)

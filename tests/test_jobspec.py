@@ -140,3 +140,18 @@ def test_a_pool_key_in_the_job_file_is_deprecated_with_the_way_out(tmp_path: Pat
         spec = load_job(job)
     assert str(job) in str(seen[0].message) and "k-in-file" not in str(seen[0].message)
     assert spec.pool.api_key == "k-in-file"  # still honoured while deprecated
+
+
+def test_provider_keep_files_is_read_checked_and_no_change_of_the_job(tmp_path: Path) -> None:
+    from lowtide.input_identity import spec_digest
+
+    plain = load_job(_write(tmp_path, BASE))
+    assert plain.provider.keep_files is False
+    kept = load_job(_write(tmp_path, BASE + "[provider]\nkeep_files = true\n"))
+    assert kept.provider.keep_files is True
+    # whether the provider keeps the files changes no answer: an unchanged night stays one
+    assert spec_digest(kept) == spec_digest(plain)
+    with pytest.raises(JobFileError, match=r"\[provider\.keep\] unknown key"):
+        load_job(_write(tmp_path, BASE + "[provider]\nkeep = true\n"))
+    with pytest.raises(JobFileError, match=r"\[provider\.keep_files\] Input should be a valid"):
+        load_job(_write(tmp_path, BASE + '[provider]\nkeep_files = "sometimes"\n'))

@@ -35,6 +35,8 @@ class Connection:
     api_key_block: str | None = None
     """The Prefect Secret block holding the provider key when its variable is unset (the job's
     `[model] api_key_block`); the name only, never the key."""
+    keep_files: bool = False
+    """The job keeps what it uploads (`[provider] keep_files`): no expiry is asked for."""
 
 
 @dataclass(frozen=True)
@@ -154,7 +156,9 @@ def _emulator_v1(connection: Connection) -> str:
 def _openai_batch(connection: Connection) -> Backend:
     from lowtide.backends import openai_batch
 
-    return openai_batch.from_environment(api_key_block=connection.api_key_block)
+    return openai_batch.from_environment(
+        api_key_block=connection.api_key_block, keep_files=connection.keep_files
+    )
 
 
 def _openai_realtime(connection: Connection) -> Any:
@@ -187,7 +191,7 @@ def _emulator_limits(connection: Connection) -> dict[str, float]:
 def _emulator_batch(connection: Connection) -> Backend:
     from lowtide.backends import openai_batch
 
-    return openai_batch.for_base_url(_emulator_v1(connection))
+    return openai_batch.for_base_url(_emulator_v1(connection), keep_files=connection.keep_files)
 
 
 def _emulator_realtime(connection: Connection) -> Any:

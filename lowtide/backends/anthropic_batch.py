@@ -38,9 +38,12 @@ from lowtide.backends.anthropic_params import (
 from lowtide.backends.base import (
     RESULT_SCHEMA,
     BackendError,
+    BatchRefs,
     BatchState,
     BatchStatus,
     Capabilities,
+    ItemRole,
+    ProviderItem,
     RequestStatus,
     TerminalBackendError,
     TransientBackendError,
@@ -379,6 +382,42 @@ class AnthropicBatchBackend:
 
     def cancel(self, provider_batch_id: str) -> None:
         self._call("cancel", lambda: self.client.messages.batches.cancel(provider_batch_id))
+
+    # Anthropic keeps no files: a batch holds its requests and results (29 days) until it is
+    # deleted, which it allows once the batch has ended. Batches carry no tags, so they are
+    # found by the provider ids the state file recorded.
+
+    def kept_items(self, batch: BatchRefs) -> list[ProviderItem]:
+        """The batch itself, while Anthropic keeps it (no size: Anthropic reports none)."""
+        if not batch.provider_batch_id:
+            return []
+        found = self._call("release", lambda: self._retrieve(batch.provider_batch_id or ""))
+        if found is None:
+            return []
+        busy = not map_status(found.processing_status).terminal
+        return [ProviderItem(found.id, ItemRole.BATCH, batch.batch_id, None, busy=busy)]
+
+    def delete_item(self, item: ProviderItem) -> None:
+        """Delete the ended batch; one already gone counts as deleted."""
+
+        def delete() -> None:
+            try:
+                self.client.messages.batches.delete(item.provider_id)
+            except anthropic.NotFoundError:
+                return
+
+        self._call("delete", delete)
+
+    def tagged_items(self, batches: Sequence[BatchRefs], since: float) -> list[ProviderItem]:
+        """The recorded batches Anthropic still keeps (`since` is not needed: each is asked
+        for by its id)."""
+        return [item for b in batches for item in self.kept_items(b)]
+
+    def _retrieve(self, provider_batch_id: str) -> Any:
+        try:
+            return self.client.messages.batches.retrieve(provider_batch_id)
+        except anthropic.NotFoundError:
+            return None
 
 
 def _counts(batch: Any) -> dict[str, int]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from lowtide.errors import BackendError, TerminalBackendError, TransientBackendError
-from lowtide.vocabulary import TERMINAL, BatchStatus, RequestStatus
+from lowtide.vocabulary import TERMINAL, BatchStatus, ItemRole, RequestStatus
 
 if TYPE_CHECKING:
     import polars as pl
@@ -23,9 +23,12 @@ __all__ = [
     "TERMINAL",
     "Backend",
     "BackendError",
+    "BatchRefs",
     "BatchState",
     "BatchStatus",
     "Capabilities",
+    "ItemRole",
+    "ProviderItem",
     "QuotaRefusal",
     "RequestStatus",
     "TerminalBackendError",
@@ -81,6 +84,46 @@ class BatchState:
     def has_results(self) -> bool:
         """True when `Backend.results` has something to download."""
         return bool(self.output_file_id or self.error_file_id or self.result_ref)
+
+
+@dataclass(frozen=True)
+class BatchRefs:
+    """What the state file recorded of one lowtide batch at its provider: where to look."""
+
+    batch_id: str
+    provider_batch_id: str | None = None
+    input_file_id: str | None = None
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+
+    def file_ids(self) -> list[tuple[ItemRole, str]]:
+        """(role, file id) of each file recorded for the batch."""
+        files = (
+            (ItemRole.INPUT, self.input_file_id),
+            (ItemRole.OUTPUT, self.output_file_id),
+            (ItemRole.ERROR, self.error_file_id),
+        )
+        return [(role, fid) for role, fid in files if fid]
+
+
+@dataclass(frozen=True)
+class ProviderItem:
+    """One thing a provider keeps for a lowtide batch until it is deleted or expires: an
+    uploaded or result file (OpenAI), or the batch itself, which holds its requests and results
+    (Anthropic)."""
+
+    provider_id: str
+    role: ItemRole
+    batch_id: str
+    bytes: int | None = None
+    """Its size as the provider reports it; None where the provider reports none (a batch)."""
+    busy: bool = False
+    """The provider still works with it (a batch that has not ended, or a file of one): it is
+    never deleted."""
+
+    @property
+    def kind(self) -> str:
+        return "batch" if self.role is ItemRole.BATCH else "file"
 
 
 def _result_schema() -> dict[str, Any]:
@@ -140,3 +183,22 @@ class Backend(Protocol):
         ...
 
     def cancel(self, provider_batch_id: str) -> None: ...
+
+    # What a batch leaves at the provider (`tasks/release.py`, `lowtide leftovers`). A backend
+    # that keeps nothing there (shard files, a pool) returns no items.
+
+    def kept_items(self, batch: BatchRefs) -> list[ProviderItem]:
+        """What the provider still keeps of this batch, looked up by the ids the state file
+        recorded (one gone already is left out), with sizes where the provider reports them."""
+        ...
+
+    def delete_item(self, item: ProviderItem) -> None:
+        """Delete it at the provider; one that is gone already counts as deleted."""
+        ...
+
+    def tagged_items(self, batches: Sequence[BatchRefs], since: float) -> list[ProviderItem]:
+        """Everything the provider keeps of these batches, found by lowtide's tags (a batch's
+        metadata, an upload's file name) as well as by the recorded ids, so an upload whose id a
+        crash kept from the state file is found too. Only what was created at or after `since`
+        (unix seconds) is looked at."""
+        ...

@@ -15,11 +15,14 @@ import openai
 import orjson
 import polars as pl
 
+from lowtide.backends import openai_storage
 from lowtide.backends.base import (
     RESULT_SCHEMA,
+    BatchRefs,
     BatchState,
     BatchStatus,
     Capabilities,
+    ProviderItem,
     QuotaRefusal,
     RequestStatus,
     TerminalBackendError,
@@ -293,11 +296,21 @@ def parse_result_lines(content: bytes | Path) -> pl.DataFrame:
 
 
 class OpenAIBatchBackend:
-    """Batches through `client.files` and `client.batches`; `client` decides where they go."""
+    """Batches through `client.files` and `client.batches`; `client` decides where they go.
 
-    def __init__(self, client: openai.OpenAI, capabilities: Capabilities = CAPABILITIES):
+    Every upload, and every batch's output and error files, expire after
+    `openai_storage.EXPIRES_AFTER_S`, a backstop for lowtide's own deletes; with `keep_files`
+    (the job keeps them) they are left to OpenAI's default retention instead."""
+
+    def __init__(
+        self,
+        client: openai.OpenAI,
+        capabilities: Capabilities = CAPABILITIES,
+        keep_files: bool = False,
+    ):
         self.client = client
         self.capabilities = capabilities
+        self._expiry: Any = openai.omit if keep_files else openai_storage.expiry()
 
     def _call(self, operation: str, fn: Callable[[], T]) -> T:
         try:
@@ -316,7 +329,9 @@ class OpenAIBatchBackend:
             f = self._call(
                 "upload",
                 lambda: self.client.files.create(
-                    file=(f"{batch_id}.jsonl", payload), purpose="batch"
+                    file=(f"{batch_id}.jsonl", payload),  # the name finds it again (leftovers)
+                    purpose="batch",
+                    expires_after=self._expiry,
                 ),
             )
         return f.id
@@ -336,6 +351,7 @@ class OpenAIBatchBackend:
                 endpoint="/v1/chat/completions",
                 completion_window="24h",
                 metadata={METADATA_KEY: batch_id},
+                output_expires_after=self._expiry,
             ),
         )
         return batch.id
@@ -427,12 +443,28 @@ class OpenAIBatchBackend:
     def cancel(self, provider_batch_id: str) -> None:
         self._call("cancel", lambda: self.client.batches.cancel(provider_batch_id))
 
+    def kept_items(self, batch: BatchRefs) -> list[ProviderItem]:
+        return self._call("release", lambda: openai_storage.kept_files(self.client, batch))
 
-def from_environment(api_key_block: str | None = None) -> OpenAIBatchBackend:
+    def delete_item(self, item: ProviderItem) -> None:
+        self._call("delete", lambda: openai_storage.delete_file(self.client, item.provider_id))
+
+    def tagged_items(self, batches: Sequence[BatchRefs], since: float) -> list[ProviderItem]:
+        return self._call(
+            "leftovers",
+            lambda: openai_storage.tagged_files(
+                self.client, batches, since, METADATA_KEY, lambda s: map_status(s).terminal
+            ),
+        )
+
+
+def from_environment(
+    api_key_block: str | None = None, keep_files: bool = False
+) -> OpenAIBatchBackend:
     """The real OpenAI backend; honours OPENAI_API_KEY and OPENAI_BASE_URL like the SDK does,
     the key coming from the Prefect Secret block `api_key_block` when OPENAI_API_KEY is unset."""
     key = require_key("openai", "OPENAI_API_KEY", api_key_block)
-    return OpenAIBatchBackend(openai.OpenAI(api_key=key))
+    return OpenAIBatchBackend(openai.OpenAI(api_key=key), keep_files=keep_files)
 
 
 def realtime_client_from_environment(api_key_block: str | None = None) -> openai.OpenAI:
@@ -446,5 +478,9 @@ def realtime_client_for_base_url(base_url: str, api_key: str = "emulator") -> op
     return openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
 
 
-def for_base_url(base_url: str, api_key: str = "emulator") -> OpenAIBatchBackend:
-    return OpenAIBatchBackend(openai.OpenAI(base_url=base_url, api_key=api_key))
+def for_base_url(
+    base_url: str, api_key: str = "emulator", keep_files: bool = False
+) -> OpenAIBatchBackend:
+    return OpenAIBatchBackend(
+        openai.OpenAI(base_url=base_url, api_key=api_key), keep_files=keep_files
+    )

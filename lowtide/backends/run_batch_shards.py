@@ -25,7 +25,14 @@ from dataclasses import dataclass
 import orjson
 import polars as pl
 
-from lowtide.backends.base import RESULT_SCHEMA, BatchState, BatchStatus, Capabilities
+from lowtide.backends.base import (
+    RESULT_SCHEMA,
+    BatchRefs,
+    BatchState,
+    BatchStatus,
+    Capabilities,
+    ProviderItem,
+)
 from lowtide.errors import TerminalBackendError, UserError
 from lowtide.request_lines import jsonl_payload
 
@@ -227,3 +234,15 @@ class RunBatchShards:
             backend=NAME,
             operation="cancel",
         )
+
+    # the shard files are the user's, on the user's storage: lowtide leaves nothing at a
+    # provider and deletes nothing there
+
+    def kept_items(self, batch: BatchRefs) -> list[ProviderItem]:
+        return []
+
+    def delete_item(self, item: ProviderItem) -> None:
+        return None
+
+    def tagged_items(self, batches: Sequence[BatchRefs], since: float) -> list[ProviderItem]:
+        return []

@@ -12,7 +12,9 @@
 - `carry`: the night a few rows changed: the unchanged rows' units copied from that run;
 - `cursor`: where an incremental job's next run starts reading (`[input] cursor_column`);
 - `route`: a `[route]`'s steps, the switch between engines and what it cost (`paid_twice`);
-- `chunk_cuts`: where long texts were cut, so a night tokenizes only texts it has not seen.
+- `chunk_cuts`: where long texts were cut, so a night tokenizes only texts it has not seen;
+- `provider_items`: what batches left at their provider (files, Anthropic batches), and
+  whether lowtide deleted it.
 
 `prefect_db` reads Prefect's own SQLite database, for the migrated copy a new Prefect home
 starts from (`lowtide.prefect_template`).

@@ -10,6 +10,7 @@ from lowtide.store.cursor import CursorStore
 from lowtide.store.history import HistoryStore, JobHistory
 from lowtide.store.limits import LimitsStore
 from lowtide.store.manifest import ManifestStore
+from lowtide.store.provider_items import ProviderItemsStore
 from lowtide.store.reports import EXPORT_FORMATS, ReportsStore
 from lowtide.store.results import ResultsStore
 from lowtide.store.route import RouteStore
@@ -28,6 +29,7 @@ class Store(
     RouteStore,
     ChunkCutsStore,
     SourcesStore,
+    ProviderItemsStore,
 ):
     """The state file. Each public method is one short transaction, named for its purpose."""
 

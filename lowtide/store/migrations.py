@@ -407,6 +407,31 @@ MIGRATIONS.append(
     )
 )
 
+
+MIGRATIONS.append(
+    (
+        21,
+        "what a batch left at its provider: each file's (or Anthropic batch's) size, and "
+        "whether lowtide deleted it",
+        """
+        CREATE TABLE provider_items (
+            provider_id VARCHAR PRIMARY KEY,  -- file-... (OpenAI), msgbatch_... (Anthropic)
+            batch_id VARCHAR NOT NULL,        -- the lowtide batch it belongs to
+            role VARCHAR NOT NULL,            -- input | output | error | batch (ItemRole)
+            bytes BIGINT,                     -- its size as the provider reported it, if it did
+            kept BOOLEAN NOT NULL,            -- the job keeps it ([provider] keep_files)
+            deleted_at TIMESTAMP,             -- when lowtide deleted it
+            gone_at TIMESTAMP,                -- when lowtide found it gone without deleting it
+            delete_error VARCHAR,             -- why lowtide's last delete of it failed
+            recorded_at TIMESTAMP NOT NULL
+        );
+        -- when lowtide dealt with what the provider keeps of the batch, after its results
+        -- were stored: deleted it, or kept it for the job; NULL: not yet
+        ALTER TABLE batches ADD COLUMN released_at TIMESTAMP;
+        """,
+    )
+)
+
 LATEST = MIGRATIONS[-1][0]
 
 

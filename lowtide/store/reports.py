@@ -14,6 +14,7 @@ import polars as pl
 
 from lowtide.errors import UserError
 from lowtide.store._sql import ident, json_path, literal
+from lowtide.store.provider_items import ProviderItemsStore
 from lowtide.store.publish import PublishingStore, job_rows_sql
 from lowtide.store.route import RouteStore
 from lowtide.store.sources import source_table, table_columns
@@ -27,7 +28,7 @@ _COPY_FORMAT = {
 EXPORT_FORMATS = tuple(_COPY_FORMAT)
 
 
-class ReportsStore(PublishingStore, RouteStore):
+class ReportsStore(PublishingStore, RouteStore, ProviderItemsStore):
     def source_columns(self, table: str) -> list[str]:
         """The columns of a job's sources table (empty when it does not exist yet)."""
         with self._connect() as con:
@@ -154,6 +155,7 @@ class ReportsStore(PublishingStore, RouteStore):
             params,
         )
         origins = self.answer_origins(run_id)
+        left = self.left_at_provider(run_id)
         records = []
         for r in runs.iter_rows(named=True):
             rec = {k: r.get(k) for k in fields}
@@ -166,6 +168,7 @@ class ReportsStore(PublishingStore, RouteStore):
                 if m["run_id"] == r["run_id"]
             }
             rec.update(origins.get(r["run_id"], {"cached_from": {}, "answered_by": {}}))
+            rec["left_at_provider"] = left.get(r["run_id"], {"count": 0, "bytes": 0})
             if r.get("route_id"):  # a route's step: what switching engines cost so far
                 rec["paid_twice"] = self.paid_twice(r["route_id"])
             records.append(rec)

@@ -24,6 +24,7 @@ from lowtide.emulator.config import FaultRule
 from lowtide.store import Store
 from tasks.poll import poll_once
 from tests.integration.conftest import advance_clock, write_job
+from tests.leftovers import assert_nothing_left, left_at_emulator
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -65,9 +66,12 @@ def test_parsed_batches_are_stored_together_and_kept_when_a_later_one_fails(
         assert first_three.n_unique() == 1
         assert stored[3]["received_at"].n_unique() == 1
         assert stored[3]["received_at"][0] != first_three[0]
+        # the refused batch's results are not stored: its files stay at the provider
+        assert refused in left_at_emulator(emu.base_url, store, run_id)
 
         emu.state.faults.replace([])
         done = collect(emulator_url=emu.base_url, run_id=run_id)[0]
+        assert_nothing_left(emu.base_url, store, run_id)
     assert done["status"] == "completed"
     assert done["rows"] == 60 == done["succeeded"] + done["failed"]
     assert set(emu.ledger.count_by_custom_id().values()) == {1}, "a request was paid twice"

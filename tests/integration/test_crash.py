@@ -19,6 +19,7 @@ from lowtide.crashpoints import POINTS
 from lowtide.emulator import Emulator, EmulatorConfig
 from lowtide.store import Store
 from tests.integration.conftest import write_job
+from tests.leftovers import assert_nothing_left
 
 pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.slow]
 
@@ -65,6 +66,7 @@ def test_crash_then_resume_pays_once(point: str, tmp_path: Path) -> None:
         batches = store.run_batches(summary["run_id"])
         assert batches["provider_batch_id"].n_unique() == batches.height
         assert len(emu.state.batches) == batches.height  # no orphan batch at the provider
+        assert_nothing_left(emu.base_url, store, summary["run_id"])
 
 
 def test_an_input_file_gone_before_the_create_is_uploaded_again(tmp_path: Path) -> None:

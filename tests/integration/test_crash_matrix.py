@@ -59,6 +59,7 @@ NOT_APPLICABLE: dict[str, dict[str, str]] = {
         "during_poll": _STREAM,
         "during_download": _STREAM,
         "waiting_for_room": "a pool has no provider queue: its own in-flight cap is the limit",
+        "before_release": "a pool leaves nothing at a provider to delete",
         "mid_parse": "answers are parsed and committed as they stream (during_stream)",
         "in_realtime": "no realtime path: urgent rows are the pool's first shard",
     },

@@ -15,6 +15,7 @@ from lowtide.store import Store
 from tasks.load import load_eval_set
 from tests.conftest import SAMPLE_JOB
 from tests.integration.conftest import lowtide_cli, write_job
+from tests.leftovers import assert_nothing_left
 from tests.sql import query
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -124,6 +125,7 @@ def test_sample_job_end_to_end_then_from_cache(emulator, clean_env: Path) -> Non
     assert all(after[k] == 1 for k in executed)  # nothing answered before was paid for again
     row_requests = set(units["custom_id"])
     assert not (set(after) - set(executed)) & row_requests
+    assert_nothing_left(emulator.base_url, store)
 
 
 def test_openai_backend_with_base_url_through_the_cli(emulator, tmp_path: Path) -> None:
@@ -160,6 +162,8 @@ def test_openai_backend_with_base_url_through_the_cli(emulator, tmp_path: Path) 
         "SELECT custom_id FROM results WHERE outcome IN ('ok', 'repaired')",
     )["custom_id"].to_list()
     assert len(answered) > 0 and set(answered) <= set(executed)
+    assert runs[0]["left_at_provider"] == {"count": 0, "bytes": 0}
+    assert_nothing_left(emulator.base_url, os.environ["LOWTIDE_STATE"])
 
 
 def test_missing_input_column_fails_before_sending(emulator, tmp_path: Path) -> None:

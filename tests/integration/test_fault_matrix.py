@@ -40,6 +40,7 @@ from tests.integration.conftest import (
     lowtide_cli,
     write_job,
 )
+from tests.leftovers import assert_nothing_left
 from tests.sql import query
 from tests.waiting import CountingLedger
 
@@ -189,6 +190,7 @@ def test_a_fault_ends_with_every_row_accounted_for_and_nothing_paid_twice(
             emu.state.faults.replace(parse_faults(fault.spec))
         summary = _run(job, emu, fault)
         executed = emu.ledger.count_by_custom_id()  # billed batch executions
+        assert_nothing_left(emu.base_url, os.environ["LOWTIDE_STATE"], summary["run_id"])
         realtime = sum(1 for e in emu.ledger.executions() if e["kind"] == "realtime")
     assert summary["status"] == fault.expect, summary.get("error")
     paid_twice = sum(n - 1 for n in executed.values() if n > 1)

@@ -20,6 +20,7 @@ from lowtide.emulator import Emulator, EmulatorConfig
 from lowtide.pricing import load_price
 from lowtide.store import Store
 from tests.integration.conftest import advance_clock, cancel_through_cli, write_job
+from tests.leftovers import assert_nothing_left
 from tests.sql import query, scalar
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -31,6 +32,11 @@ def _store() -> Store:
 
 def _invariant(summary: dict, rows: int) -> None:
     assert summary["rows"] == rows == summary["succeeded"] + summary["failed"]
+
+
+def _nothing_left(emu: Emulator) -> None:
+    """Nothing of the state file's runs is left at the emulated provider."""
+    assert_nothing_left(emu.base_url, os.environ["LOWTIDE_STATE"])
 
 
 def _paid_once(emu: Emulator) -> dict[str, int]:
@@ -72,6 +78,7 @@ def test_expired_batch_keeps_finished_results_and_resubmits_only_the_rest(tmp_pa
         )
         assert answered_first and later
         assert not answered_first & later  # only the unfinished remainder was resubmitted
+        _nothing_left(emu)
 
 
 def test_errored_requests_retry_then_fail_with_a_reason(tmp_path: Path) -> None:
@@ -86,6 +93,7 @@ def test_errored_requests_retry_then_fail_with_a_reason(tmp_path: Path) -> None:
         _invariant(s, 20)
         assert s["failed"] == 20 and s["status"] == "completed"
         assert emu.ledger.executions() == []  # errored requests are not billed
+        _nothing_left(emu)
         store = _store()
         attempts = query(
             store,
@@ -134,6 +142,7 @@ def test_a_batch_that_fails_validation_reports_the_providers_line_errors(tmp_pat
             _store(), "SELECT DISTINCT detail FROM failures WHERE run_id = ?", [s["run_id"]]
         )
         assert any("batch failed validation at the provider: line" in d for d in detail["detail"])
+        _nothing_left(emu)
 
 
 def test_429_on_create_is_retried(tmp_path: Path) -> None:
@@ -146,6 +155,7 @@ def test_429_on_create_is_retried(tmp_path: Path) -> None:
         _invariant(s, 10)
         assert s["succeeded"] == 10
         assert len(_store().run_batches(s["run_id"])) == 1
+        _nothing_left(emu)
 
 
 def test_no_wait_then_collect_gives_the_same_tables_as_waiting(tmp_path: Path, monkeypatch) -> None:
@@ -179,6 +189,7 @@ def test_no_wait_then_collect_gives_the_same_tables_as_waiting(tmp_path: Path, m
         else:
             pytest.fail("collect never finished the run")
         _paid_once(emu)
+        _nothing_left(emu)
         finished = touched[0]
     assert finished["rows"] == waited["rows"] and finished["succeeded"] == waited["succeeded"]
     assert view().equals(waited_view)
@@ -212,6 +223,7 @@ def test_cancel_keeps_finished_work_and_fails_the_rest_with_a_reason(tmp_path: P
         )
         assert reasons["reason"].to_list() == ["cancelled"]
         assert len(_paid_once(emu)) >= done["succeeded"]
+        _nothing_left(emu)
 
 
 def test_cancel_while_the_provider_validates_ends_every_row_cancelled(tmp_path: Path) -> None:
@@ -238,6 +250,7 @@ def test_cancel_while_the_provider_validates_ends_every_row_cancelled(tmp_path: 
             ("cancelled", "the batch was cancelled before this request ran", 20)
         ]
         assert emu.ledger.count_by_custom_id() == {}
+        _nothing_left(emu)
 
 
 def test_malformed_answers_are_repaired_or_reasked(tmp_path: Path) -> None:
@@ -385,6 +398,7 @@ def test_same_job_on_anthropic_gives_the_same_rows(tmp_path: Path, monkeypatch) 
         monkeypatch.setenv("ANTHROPIC_API_KEY", "x")
         on_anthropic = enrich(job_file=str(job), backend="anthropic")
         assert {e["provider"] for e in emu.ledger.executions()} == {"openai", "anthropic"}
+        _nothing_left(emu)
     assert on_anthropic["model"] == "claude-haiku-4-5" and on_anthropic["succeeded"] == 40
     store = _store()
 

@@ -13,6 +13,7 @@ from lowtide.backends import REGISTRY, backend_entry
 from lowtide.emulator import Emulator, EmulatorConfig
 from lowtide.store import Store
 from tests.integration.conftest import write_job
+from tests.leftovers import assert_nothing_left
 from tests.sql import query
 
 pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.slow]
@@ -46,6 +47,7 @@ def test_the_same_job_runs_on_every_batch_backend(
             monkeypatch.setenv(variable, value)
         s = enrich(job_file=str(job), backend=name, emulator_url=emu.base_url)
         counts = emu.ledger.count_by_custom_id()
+        assert_nothing_left(emu.base_url, state, s["run_id"])
     assert s["status"] == "completed" and s["backend"] == name
     assert s["rows"] == 25 == s["succeeded"] + s["failed"]
     assert s["failed"] == 0
