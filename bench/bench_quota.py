@@ -2,18 +2,20 @@
 
 Two nights of `lowtide run --backend openai` (the official SDK over HTTP to lowtide's emulator,
 each night in its own process, no Prefect server), against an emulator whose model has an
-enqueued-token limit of about three shards, as a low usage tier's account has. The limit is not
+enqueued-token limit of three shards of the usual size (their median, from a plan written to a
+scratch state file first), as a low usage tier's account has. The limit is not
 in the job file: the first night must learn it from the provider's refusal, the second must
 start with it. The second night asks the eval set again (it is answered every night) and the
 messages it changes.
 
 Printed per night: wall seconds, batches, quota refusals, rows failed; then what the provider
 saw (`GET /_emulator/queue`): how full the queue was kept, over simulated time, while work
-remained (the first create to the last batch's end, the final drain included). The emulator's
-ledger says whether any request ran twice. The last line is machine-readable:
+remained to be sent (the first create to the last), and with the final drain (to the last
+batch's end: nothing is left to fill the queue with then). The emulator's ledger says whether
+any request ran twice. The last line is machine-readable:
 
-    quota: shards=100 queue_share=<first night> refusals_first=N refusals_second=N
-    paid_twice=0 rows_failed=0
+    quota: shards=100 queue_share=<first night, while sending> queue_share_with_drain=<…>
+    refusals_first=N refusals_second=N paid_twice=0 rows_failed=0
 
     make bench-quota          # about ten minutes on 2 cores
 """
@@ -36,10 +38,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from lowtide.emulator import Emulator, EmulatorConfig  # noqa: E402
+from lowtide.quota import PLANNING_SHARE  # noqa: E402
 from tests.integration.conftest import write_job  # noqa: E402
 
 SHARDS = 100
-QUEUE_SHARDS = 3.0  # the queue holds three average shards
+QUEUE_SHARDS = 3  # the queue holds three shards of the usual size
 TIME_SCALE = 600.0  # simulated seconds per real second
 BATCH_S = 7200.0  # simulated seconds a shard runs (two hours): twelve real seconds
 
@@ -84,22 +87,9 @@ def main() -> None:
         "LOWTIDE_POLL_MAX_INTERVAL_S": "0.5",
         "OPENAI_API_KEY": "bench",
     }
-    # how big a shard is: the estimate's unique requests and prompt tokens
-    quote = subprocess.run(
-        [sys.executable, "-m", "lowtide.cli", "estimate", str(job), "--json"],
-        env=env,
-        cwd=work,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    import orjson
-
-    estimate = orjson.loads(quote.stdout)
-    requests = int(estimate["unique_requests"])
-    per_shard = -(-requests // SHARDS)
-    tokens_per_shard = int(estimate["input_tokens"]) / SHARDS
-    limit = int(tokens_per_shard * QUEUE_SHARDS)
+    requests, per_shard, tokens_per_shard = _shards(job, env, work)
+    # three shards of the usual size fit: the queue lowtide plans to (PLANNING_SHARE of it)
+    limit = int(tokens_per_shard * QUEUE_SHARDS / PLANNING_SHARE) + 1
     config = EmulatorConfig(
         time_scale=TIME_SCALE,
         seed=3,
@@ -108,8 +98,8 @@ def main() -> None:
         batch_seconds_per_request=BATCH_S / per_shard,
     )
     print(
-        f"quota bench: {requests:,} requests in shards of {per_shard} (~{tokens_per_shard:,.0f} "
-        f"tokens) against a queue of {limit:,} enqueued tokens; a shard runs {BATCH_S:.0f} "
+        f"quota bench: {requests:,} requests in shards of {per_shard} (median "
+        f"{tokens_per_shard:,.0f} tokens) against a queue of {limit:,} enqueued tokens; a shard runs {BATCH_S:.0f} "
         f"simulated s ({BATCH_S / TIME_SCALE:.0f} s)"
     )
     with Emulator(config) as emu:
@@ -132,12 +122,13 @@ def main() -> None:
                 state, f"SELECT count(*) FROM quota_refusals WHERE run_id = '{run_id}'"
             )[0][0]
             queue = next(iter(_queue(emu).values()), {})
-            shares.append(queue.get("share"))
+            shares.append((queue.get("share_while_sending"), queue.get("share")))
             refusals.append(refused)
             print(
                 f"night {night}: {wall:.1f} s, {batches} batches, {refused} refused, "
-                f"{failed} rows failed; queue {queue.get('share') or 0:.3f} full over "
-                f"{queue.get('busy_s', 0):,.0f} simulated s"
+                f"{failed} rows failed; queue {queue.get('share_while_sending') or 0:.3f} full "
+                f"while batches were still being sent ({queue.get('sending_s', 0):,.0f} simulated "
+                f"s), {queue.get('share') or 0:.3f} with the drain ({queue.get('busy_s', 0):,.0f} s)"
             )
             if night == 1:
                 _change(work / "messages.csv", 0.01)
@@ -145,9 +136,55 @@ def main() -> None:
         paid_twice = sum(n - 1 for n in executed.values() if n > 1)
         failed_rows = sum(r[0] for r in _state(state, "SELECT failed FROM runs"))
     print(
-        f"quota: shards={SHARDS} queue_share={shares[0] or 0:.3f} refusals_first={refusals[0]} "
+        f"quota: shards={SHARDS} queue_share={shares[0][0] or 0:.3f} "
+        f"queue_share_with_drain={shares[0][1] or 0:.3f} refusals_first={refusals[0]} "
         f"refusals_second={refusals[1]} paid_twice={paid_twice} rows_failed={failed_rows}"
     )
+
+
+def _shards(job: Path, env: dict[str, str], work: Path) -> tuple[int, int, float]:
+    """(requests, requests per shard, the median shard's estimated prompt tokens), from the
+    plan of a first night written to a scratch state file against an unlimited emulator (it
+    stops once the first batch is sent)."""
+    scratch = work / "plan"
+    scratch.mkdir()
+    with Emulator(EmulatorConfig(time_scale=TIME_SCALE, seed=3)) as emu:
+        plan_env = env | {
+            "OPENAI_BASE_URL": emu.openai_base_url,
+            "LOWTIDE_STATE": str(scratch / "state.duckdb"),
+            "LOWTIDE_DB": str(scratch / "lowtide.duckdb"),
+            "LOWTIDE_WORK_DIR": str(scratch / "work"),
+        }
+        requests = int(
+            _run_json(job, plan_env, scratch, ["estimate", str(job), "--json"])["unique_requests"]
+        )
+        per_shard = -(-requests // SHARDS)
+        plan_env["LOWTIDE_SHARD_MAX_REQUESTS"] = str(per_shard)
+        subprocess.run(
+            [sys.executable, "-m", "lowtide.cli", "run", str(job), "--no-wait"],
+            env=plan_env | {"LOWTIDE_EMULATOR_URL": emu.base_url},
+            cwd=scratch,
+            capture_output=True,
+            check=True,
+        )
+    median = _state(
+        scratch / "state.duckdb", "SELECT median(est_tokens) FROM batches WHERE attempt = 1"
+    )[0][0]
+    return requests, per_shard, float(median)
+
+
+def _run_json(job: Path, env: dict[str, str], cwd: Path, args: list[str]) -> dict:
+    import orjson
+
+    done = subprocess.run(
+        [sys.executable, "-m", "lowtide.cli", *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return orjson.loads(done.stdout)
 
 
 def _change(path: Path, share: float) -> None:

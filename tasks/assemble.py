@@ -116,21 +116,31 @@ def line_bytes(job: JobSpec, requests: pl.DataFrame) -> pl.Series:
     return by_slices(requests, _SLICE_ROWS, lambda part: part.select(size)["bytes"])
 
 
-def _estimate_expr(job: JobSpec, sample: pl.Series) -> pl.Expr:
+def _estimate_expr(job: JobSpec, sample: pl.Series, exact: bool = False) -> pl.Expr:
     """The token estimate of `user`: the fixed prefix counted once, the message from the
-    counted `sample`'s tokens-per-byte ratio."""
+    counted `sample`'s tokens-per-byte ratio. With `exact`, a unit whose tokens chunking
+    counted (`unit_tokens`: a cut piece of a long text) is that count plus the template's own
+    words: long texts are where a sample's ratio is furthest off, and a provider's queue is
+    planned by these numbers (lowtide/quota.py)."""
     prefix = sum(count_tokens(m["content"]) + 4 for m in fixed_messages(job)) + 3
     texts = sample.to_list()
     sample_bytes = sum(len(s.encode()) for s in texts) or 1
     ratio = sum(count_tokens(s) for s in texts) / sample_bytes
     est_user = (pl.col("user").str.len_bytes() * ratio).round().cast(pl.Int64) + 4
+    if exact:
+        template = job.prompt.user_template
+        fields = job.prompt.template_fields()
+        words = count_tokens(template.format(**dict.fromkeys(fields, ""))) + 2 * len(fields)
+        counted = pl.col("unit_tokens").cast(pl.Int64) + words + 4
+        est_user = pl.when(pl.col("unit_tokens").is_not_null()).then(counted).otherwise(est_user)
     return pl.lit(prefix) + est_user
 
 
 def estimate_input_tokens(job: JobSpec, requests: pl.DataFrame) -> pl.Series:
     """Per-request input token estimate: the fixed prefix counted once, the user message from a
     counted sample's tokens-per-byte ratio (exact counts where chunking already made them)."""
-    est = _estimate_expr(job, requests["user"].head(_ESTIMATE_SAMPLE))
+    exact = "unit_tokens" in requests.columns
+    est = _estimate_expr(job, requests["user"].head(_ESTIMATE_SAMPLE), exact)
     return requests.select(est.alias("est_input_tokens"))["est_input_tokens"]
 
 
@@ -141,11 +151,12 @@ def sized_requests(job: JobSpec, messages: str | Path) -> pl.DataFrame:
     held (at a million rows they are ~1 GB); the manifest's insert reads them again itself."""
     scan = pl.scan_parquet(messages)
     sample = scan.select("user").head(_ESTIMATE_SAMPLE).collect()["user"]
+    exact = "unit_tokens" in scan.collect_schema()
     return scan.select(
         "custom_id",
         "request_key",
         "urgent",
-        _estimate_expr(job, sample).alias("est_input_tokens"),
+        _estimate_expr(job, sample, exact).alias("est_input_tokens"),
         _line_bytes_expr(job).alias("_bytes"),
     ).collect(engine="streaming")
 

@@ -22,7 +22,15 @@ from pathlib import Path
 import polars as pl
 
 from lowtide import prepared_lines
-from lowtide.backends.base import Backend, BatchStatus, QuotaRefusal, TerminalBackendError
+from lowtide.backends.base import (
+    Backend,
+    BackendError,
+    BatchStatus,
+    ItemRole,
+    ProviderItem,
+    QuotaRefusal,
+    TerminalBackendError,
+)
 from lowtide.context import RunContext
 from lowtide.crashpoints import crash_point
 from lowtide.errors import InputFileGoneError, ProviderQueueFullError
@@ -143,7 +151,7 @@ def admit(ctx: RunContext, run_id: str) -> tuple[list[str], str | None]:
         piece = int(cap * PLANNING_SHARE / PIECES_PER_QUEUE)
         too_big = unsent.filter((pl.col("est_tokens") > piece) & (pl.col("n_requests") > 1))
         for batch_id in too_big["batch_id"]:
-            pieces = store.split_batch(batch_id, piece)
+            pieces = split(ctx, batch_id, piece)
             stage_log("submit", "%s cut in %d to fit the provider's queue", batch_id, len(pieces))
         if too_big.height:
             unsent = store.unsent_batch_sizes(run_id)
@@ -226,10 +234,25 @@ def requeue(ctx: RunContext, batch_id: str, refusal: QuotaRefusal) -> None:
     if others > 0:
         return
     if store.batch(batch_id)["n_requests"] > 1:
-        store.split_batch(batch_id, max(1, tokens // 2))
+        split(ctx, batch_id, max(1, tokens // 2))
     else:
         store.fail_batch(
             batch_id,
             "queue_limit",
             f"the provider's queue cannot hold this request ({refusal.reason})",
         )
+
+
+def split(ctx: RunContext, batch_id: str, max_tokens: int) -> list[str]:
+    """Cut an unsent batch into pieces of at most `max_tokens` (`Store.split_batch`); the file
+    it had uploaded for a refused create is needed no more and is deleted (a refused delete is
+    left to `lowtide leftovers`)."""
+    uploaded = ctx.store.batch(batch_id)["input_file_id"]
+    pieces = ctx.store.split_batch(batch_id, max_tokens)
+    if uploaded:
+        item = ProviderItem(uploaded, ItemRole.INPUT, batch_id)
+        try:
+            ctx.batch_client().delete_item(item)
+        except BackendError as e:
+            stage_log("submit", "input file %s of %s not deleted: %s", uploaded, batch_id, e)
+    return pieces

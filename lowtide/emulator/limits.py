@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lowtide.emulator.faults import ApiError
@@ -155,7 +155,10 @@ class _Meter:
     refusals: int = 0
     first: float = math.inf
     last: float = -math.inf
+    last_create: float = -math.inf
     occupied: float = 0.0
+    held: list[tuple[float, float, int]] = field(default_factory=list)
+    """(from, to, amount) of each batch's hold, to measure it up to the last create too."""
 
     def add(
         self,
@@ -176,15 +179,25 @@ class _Meter:
         self.creates += new
         self.first = min(self.first, max(created, marks.since))
         self.last = max(self.last, now if ended is None else ended)
+        if new:
+            self.last_create = max(self.last_create, created)
         if held is not None:
             start, stop = held
             stop = now if stop is None else min(stop, now)
-            self.occupied += amount * max(0.0, stop - max(start, marks.since))
+            start = max(start, marks.since)
+            self.occupied += amount * max(0.0, stop - start)
+            self.held.append((start, stop, amount))
         return True
 
     def to_json(self) -> dict[str, Any]:
         busy = max(0.0, self.last - self.first) if self.first < math.inf else 0.0
         share = self.occupied / (self.limit * busy) if self.limit and busy > 0 else None
+        # while work was still being sent: up to the last create (after it, nothing was left
+        # to fill the queue with, and it drains)
+        sending = max(0.0, self.last_create - self.first) if self.first < math.inf else 0.0
+        until = self.first + sending
+        filled = sum(n * max(0.0, min(b, until) - a) for a, b, n in self.held)
+        while_sending = filled / (self.limit * sending) if self.limit and sending > 0 else None
         return {
             "limit": self.limit,
             "refusals": self.refusals,
@@ -192,6 +205,8 @@ class _Meter:
             "busy_s": busy,
             "occupied": self.occupied,
             "share": share,
+            "sending_s": sending,
+            "share_while_sending": while_sending,
         }
 
 

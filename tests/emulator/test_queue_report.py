@@ -30,8 +30,24 @@ def _create(client: openai.OpenAI, file_id: str) -> str:
     ).id
 
 
+_WHILE_SENDING = ("sending_s", "share_while_sending")
+
+
 def _report(emu: Any) -> dict[str, Any]:
-    return admin(emu, "GET", "/_emulator/queue")
+    """The report without its while-sending fields (`_while_sending` reads those)."""
+    report = admin(emu, "GET", "/_emulator/queue")
+    return {
+        provider: {
+            key: {k: v for k, v in entry.items() if k not in _WHILE_SENDING}
+            for key, entry in queues.items()
+        }
+        for provider, queues in report.items()
+    }
+
+
+def _while_sending(emu: Any, provider: str, key: str) -> tuple[float, float | None]:
+    entry = admin(emu, "GET", "/_emulator/queue")[provider][key]
+    return entry["sending_s"], entry["share_while_sending"]
 
 
 def _entry(
@@ -89,6 +105,10 @@ def test_queue_report_on_a_hand_computed_timeline(make_emu):
         "anthropic": {"*": _entry(10, 1, 2, 17, 63)},
     }
     assert report["openai"][MODEL]["share"] == pytest.approx(14 / 29)
+    # up to the last create (at 5) only: OpenAI held nothing yet (A is admitted at 10);
+    # Anthropic held P's 3 requests for those 5 s of a queue of 10
+    assert _while_sending(emu, "openai", MODEL) == (5, 0)
+    assert _while_sending(emu, "anthropic", "*") == (5, pytest.approx(0.3))
 
     admin(emu, "POST", "/_emulator/queue/reset")  # nothing is left to count
     assert _report(emu) == {"openai": {}, "anthropic": {"*": _entry(10, 0, 0, 0, 0)}}
