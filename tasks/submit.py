@@ -14,7 +14,7 @@ from lowtide import prepared_lines
 from lowtide.backends.base import Backend, BatchStatus, TerminalBackendError
 from lowtide.context import RunContext
 from lowtide.crashpoints import crash_point
-from lowtide.errors import InputFileGoneError
+from lowtide.errors import CredentialsError, InputFileGoneError
 from lowtide.orchestration import retry_transient, task
 from lowtide.runlog import stage_log
 from lowtide.store import Store
@@ -83,10 +83,14 @@ def prepare_lines_task(ctx: RunContext, run_id: str, batch_ids: list[str]) -> No
 )
 def submit_task(ctx: RunContext, batch_id: str, run_id: str) -> str | None:
     """Send one pending batch; returns its provider id. A batch the provider refuses for good
-    ends failed with the reason (its requests become failed rows) and returns None."""
+    ends failed with the reason (its requests become failed rows) and returns None. A missing
+    or refused key is raised instead: it is not the batch's fault, so the batch stays unsent
+    and the next run with a working key sends it."""
     store = ctx.store
     try:
         provider_id = submit_batch(store, ctx.batch_client(), batch_id, ctx.work_dir(run_id))
+    except CredentialsError:
+        raise
     except TerminalBackendError as e:
         store.fail_batch(batch_id, "rejected", str(e))
         stage_log("submit", "%s refused by %s: %s", batch_id, ctx.backend, e)
