@@ -39,7 +39,7 @@ from tasks.join import join_task
 from tasks.load import load_task
 from tasks.parse import STORE_ROWS, parse_task, store_collected
 from tasks.poll import poll_task
-from tasks.qa import qa_task
+from tasks.qa import failed_share_gate, qa_task
 from tasks.realtime import realtime_task
 from tasks.reconcile import reconcile_task
 from tasks.retry import retry_round_task
@@ -142,7 +142,10 @@ def advance(ctx: RunContext, run_id: str, wait: bool, until: datetime | None = N
 
 
 def finish(ctx: RunContext, run_id: str) -> None:
-    """qa → reconcile → finalize → publish, for a run whose requests all have final outcomes."""
+    """qa → reconcile → finalize → publish, for a run whose requests all have final outcomes.
+    It ends held when a gate gives reasons (eval drift or floor, an unanswered eval set, more
+    failed rows than `[qa] max_failed_share`), failed when every row failed (`finish_run`);
+    neither is shown in the job view."""
     progress.report("qa")
     # qa → reconcile → finalize are short SQL steps back to back (about twenty state-file opens);
     # publishing, the long one, is left unheld so other processes get in while it builds
@@ -150,9 +153,10 @@ def finish(ctx: RunContext, run_id: str) -> None:
         qa = qa_task(ctx, run_id)
         cost = reconcile_task(ctx, run_id)
         counts = finalize_task(ctx, run_id)
+        share = failed_share_gate(counts["rows"], counts["failed"], ctx.job.qa.max_failed_share)
         ctx.store.finish_run(
             run_id,
-            hold_reasons=qa["hold"],
+            hold_reasons=share + qa["hold"],
             succeeded=counts["succeeded"],
             failed=counts["failed"],
             eval_accuracy=qa["eval_accuracy"],
