@@ -21,6 +21,7 @@ from typing import Any, TypedDict
 from lowtide import artifacts, progress
 from lowtide.context import RunContext, run_context
 from lowtide.crashpoints import crash_point
+from lowtide.errors import RunFailedError, RunHeldError
 from lowtide.input_identity import input_digest, input_fingerprint, spec_digest
 from lowtide.interrupts import raise_if_interrupt
 from lowtide.jobspec import load_job
@@ -65,13 +66,14 @@ def enrich(
     emulator_url: str | None = None,
 ) -> dict[str, Any]:
     """Run one job; returns the run's summary. Resumes the newest unfinished run of the same
-    job content and input, so a rerun after a crash sends nothing already accepted."""
+    job content and input, so a rerun after a crash sends nothing already accepted. A run that
+    ends held or with every row failed raises (`outcome`), so the flow run ends Failed."""
     settings = Settings().with_overrides(state=state, db=db)
     job = load_job(job_file, backend)
     if job.route is not None and backend is None:
         from flows.route import enrich_route  # route builds on this module's phases
 
-        return enrich_route(settings, job, emulator_url, wait)
+        return outcome(enrich_route(settings, job, emulator_url, wait))
     unchanged = unchanged_summary(settings, job)
     if unchanged is not None:
         stage_log(
@@ -93,10 +95,31 @@ def enrich(
                 record_failure(ctx, run_id, e)
                 raise
             summary = run_summary(ctx, run_id)
-            if RunStatus(summary["status"]).finished:
+            if summary["finished_at"] is not None:  # finished, or failed with every row
                 artifacts.update_progress(progress_id, 1, 1)
                 artifacts.publish_run_report(summary)
-        return summary
+        return outcome(summary)
+
+
+def outcome(summary: dict[str, Any]) -> dict[str, Any]:
+    """The summary of a run that may stand as the night's answer (finished and shown, or still
+    in flight); a run a gate held raises `RunHeldError`, one whose every row failed
+    `RunFailedError`, each carrying the summary, so the flow run that drove it ends Failed
+    (Prefect's alerts fire) on either path, through Prefect or in-process."""
+    run_id, status = summary["run_id"], summary["status"]
+    if status == RunStatus.HELD.value:
+        raise RunHeldError(
+            f"run {run_id} held: {summary.get('gate_note')}. The job view still shows the last "
+            f"published run; `lowtide publish {run_id}` releases this one",
+            summary,
+        )
+    if status == RunStatus.FAILED.value:
+        raise RunFailedError(
+            f"run {run_id} failed: {summary.get('error')}; the job view still shows the last "
+            "published run",
+            summary,
+        )
+    return summary
 
 
 def prepare(ctx: RunContext, run_id: str) -> None:

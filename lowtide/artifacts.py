@@ -252,13 +252,18 @@ def publish_run_report(summary: dict[str, Any]) -> None:
 
 def history_charts_of(summary: dict[str, Any]) -> list[Chart]:
     """The charts of the job's last finished runs, read from the state file the summary names
-    (`state`); none when it names none."""
+    (`state`); none when it names none, or the job has none yet (its first night failed)."""
     if not summary.get("state") or not summary.get("job"):
         return []
     from lowtide.charts import history_charts
+    from lowtide.errors import RunNotFoundError
     from lowtide.store import Store
 
-    return history_charts(Store(summary["state"]).job_history(str(summary["job"])))
+    try:
+        history = Store(summary["state"]).job_history(str(summary["job"]))
+    except RunNotFoundError:
+        return []
+    return history_charts(history)
 
 
 def publish_markdown(job: str, name: str, markdown: str, description: str) -> None:
