@@ -48,8 +48,8 @@ class BusyError(LowtideError):
     """Another lowtide process holds what this one needs; waiting or retrying later helps.
 
     Exit 75, "retry later", not 2: nothing in the job is wrong. The holder is a `collect` or an
-    earlier run still finishing (a CronJob forbids two of its own at once), so a retry finds the
-    file free, and the run finished or resumable without paying twice."""
+    earlier run still finishing (a CronJob forbids two of its own at once), so a later start
+    finds the file free and the run either finished or resumable, paying nothing twice."""
 
     exit_code = 75
 
@@ -121,6 +121,8 @@ class RunHeldError(RunOutcomeError):
 
 class RunFailedError(RunOutcomeError):
     """Every row of the run failed: it ends `failed` and is never published."""
+
+    exit_code = 1
 
 
 class CollectError(LowtideError, ExceptionGroup[Exception]):
