@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,11 @@ import duckdb
 import polars as pl
 import pytest
 
+from flows.enrich import enrich
+from lowtide import routing
 from lowtide.backends import backend_entry
 from lowtide.emulator import Emulator, EmulatorConfig
+from lowtide.errors import RunHeldError
 from tests.conftest import REPO
 from tests.integration.conftest import advance_clock, lowtide_cli, write_job
 from tests.key_guard import RequireKey
@@ -291,6 +295,25 @@ def test_an_unanswered_eval_set_holds_the_run_and_fails_its_flow_run(
         "a bad night: the eval set unanswered", "emulator", [3], run, _paid_twice(quiet),
         "nothing (the held run waits for `lowtide publish`)", "Failed",
     )  # fmt: skip
+
+
+def test_a_route_whose_step_ends_held_fails_its_flow_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `[route]` finishes on its first engine before its time is up, with too many failed
+    rows: the step is held like any run, and the enrich flow run that drove it is Failed."""
+    monkeypatch.setattr(routing, "clock", lambda: datetime(2026, 12, 1, 1, 0))  # never due
+    route = '[route]\nengines = ["emulator", "anthropic"]\nswitch_after_hours = [2]\n'
+    job = write_job(tmp_path, rows=20, eval_rows=2, extra=FRAGILE + route)
+    before = len(_flow_run_states("enrich"))
+    with Emulator(EmulatorConfig(time_scale=600.0, error_rate=0.3, seed=5)) as emu:
+        with pytest.raises(RunHeldError, match="rows failed") as held:
+            enrich(job_file=str(job), emulator_url=emu.base_url)
+        assert _paid_twice(emu) == 0
+    s = held.value.summary
+    assert s["status"] == "held" and s["route_step"] == 0 and s["published_at"] is None
+    states = _flow_run_states("enrich")
+    assert len(states) == before + 1 and states[0] == "FAILED"
 
 
 def test_collect_fails_its_flow_run_and_exits_3_when_it_finishes_a_held_night(
