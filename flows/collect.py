@@ -12,12 +12,12 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from flows.enrich import advance, finish, run_summary
+from flows.enrich import advance, finish, outcome, run_summary
 from flows.route import collect_route_step
 from flows.shards import import_shards, pending_requests
 from lowtide import artifacts
 from lowtide.context import run_context
-from lowtide.errors import LowtideError, RunBusyError
+from lowtide.errors import CollectError, RunBusyError, RunOutcomeError
 from lowtide.interrupts import raise_if_interrupt
 from lowtide.jobspec import load_job
 from lowtide.lease import driving
@@ -30,10 +30,6 @@ def _run_name() -> str:
     return f"collect-{datetime.now(UTC):%Y-%m-%d-%H%M}"
 
 
-class CollectError(LowtideError, ExceptionGroup[Exception]):
-    """Some runs could not be collected; the others were. Each inner error is one run's."""
-
-
 @flow(name="collect", flow_run_name=_run_name, log_prints=False)
 def collect(
     state: str | None = None,
@@ -44,7 +40,9 @@ def collect(
     """One pass over in-flight runs (or only `run_id`); returns a summary per run it touched.
     A run another live process drives is reported as `driven` (with `driven_by`) and left to
     it. A run that fails keeps its error and the others still go; the flow run then fails with
-    every failure, each with its type (one run's own error when only that run was asked for)."""
+    every failure, each with its type (one run's own error when only that run was asked for).
+    So does a run this pass finished held or with every row failed (`RunOutcomeError`): a
+    night is never green in Prefect because `collect` finished it."""
     settings = Settings().with_overrides(state=state, db=db)
     if not settings.state.is_file():
         return []
@@ -62,12 +60,26 @@ def collect(
             store.record_error(run["run_id"], f"collect: {type(e).__name__}: {e}")
             e.add_note(f"while collecting run {run['run_id']}")
             problems.append(e)
-    if problems and run_id is not None:
-        raise problems[0]
-    if problems:
+    ended_badly = _bad_outcomes(touched)
+    if (problems or ended_badly) and run_id is not None:
+        raise (problems or ended_badly)[0]
+    if problems or ended_badly:
         # the other runs were collected; the flow run still fails so the schedule shows it
-        raise CollectError(f"collect failed for {len(problems)} run(s)", problems)
+        said = [f"failed for {len(problems)} run(s)"] if problems else []
+        said += [f"{len(ended_badly)} run(s) ended held or failed"] if ended_badly else []
+        raise CollectError(f"collect: {'; '.join(said)}", problems + ended_badly, touched)
     return touched
+
+
+def _bad_outcomes(touched: list[dict[str, Any]]) -> list[Exception]:
+    """The runs this pass finished held or with every row failed, as their errors."""
+    found: list[Exception] = []
+    for summary in touched:
+        try:
+            outcome(summary)
+        except RunOutcomeError as e:
+            found.append(e)
+    return found
 
 
 def _collect_one(run: dict[str, Any], settings: Settings, emulator_url: str | None) -> dict:

@@ -22,6 +22,7 @@ from typing import Any, TypedDict
 from lowtide import artifacts, progress
 from lowtide.context import RunContext, run_context
 from lowtide.crashpoints import crash_point
+from lowtide.errors import RunFailedError, RunHeldError, WaitExpiredError
 from lowtide.input_identity import input_digest, input_fingerprint, spec_digest
 from lowtide.interrupts import raise_if_interrupt
 from lowtide.jobspec import load_job
@@ -40,7 +41,7 @@ from tasks.join import join_task
 from tasks.load import load_task
 from tasks.parse import STORE_ROWS, parse_task, store_collected
 from tasks.poll import poll_task
-from tasks.qa import qa_task
+from tasks.qa import failed_share_gate, qa_task
 from tasks.realtime import realtime_task
 from tasks.reconcile import reconcile_task
 from tasks.release import release_collected
@@ -67,13 +68,14 @@ def enrich(
     emulator_url: str | None = None,
 ) -> dict[str, Any]:
     """Run one job; returns the run's summary. Resumes the newest unfinished run of the same
-    job content and input, so a rerun after a crash sends nothing already accepted."""
+    job content and input, so a rerun after a crash sends nothing already accepted. A run that
+    ends held or with every row failed raises (`outcome`), so the flow run ends Failed."""
     settings = Settings().with_overrides(state=state, db=db)
     job = load_job(job_file, backend)
     if job.route is not None and backend is None:
         from flows.route import enrich_route  # route builds on this module's phases
 
-        return enrich_route(settings, job, emulator_url, wait)
+        return outcome(enrich_route(settings, job, emulator_url, wait))
     unchanged = unchanged_summary(settings, job)
     if unchanged is not None:
         stage_log(
@@ -95,10 +97,31 @@ def enrich(
                 record_failure(ctx, run_id, e)
                 raise
             summary = run_summary(ctx, run_id)
-            if RunStatus(summary["status"]).finished:
+            if summary["finished_at"] is not None:  # finished, or failed with every row
                 artifacts.update_progress(progress_id, 1, 1)
                 artifacts.publish_run_report(summary)
-        return summary
+        return outcome(summary)
+
+
+def outcome(summary: dict[str, Any]) -> dict[str, Any]:
+    """The summary of a run that may stand as the night's answer (finished and shown, or still
+    in flight); a run a gate held raises `RunHeldError`, one whose every row failed
+    `RunFailedError`, each carrying the summary, so the flow run that drove it ends Failed
+    (Prefect's alerts fire) on either path, through Prefect or in-process."""
+    run_id, status = summary["run_id"], summary["status"]
+    if status == RunStatus.HELD.value:
+        raise RunHeldError(
+            f"run {run_id} held: {summary.get('gate_note')}. The job view still shows the last "
+            f"published run; `lowtide publish {run_id}` releases this one",
+            summary,
+        )
+    if status == RunStatus.FAILED.value:
+        raise RunFailedError(
+            f"run {run_id} failed: {summary.get('error')}; the job view still shows the last "
+            "published run",
+            summary,
+        )
+    return summary
 
 
 def prepare(ctx: RunContext, run_id: str) -> None:
@@ -135,8 +158,7 @@ def advance(ctx: RunContext, run_id: str, wait: bool, until: datetime | None = N
     while True:
         waiting = send_pending(ctx, run_id)
         if waiting and past_deadline(ctx, run_id):
-            expired = ctx.store.expire_unsent_batches(run_id, QUEUE_DEADLINE)
-            stage_log("submit", "%d batch(es) never found room before the deadline", expired)
+            stragglers_past_deadline(ctx, run_id)
             waiting = False
         room = functools.partial(next_batch_room, ctx, run_id) if waiting else None
         stop = until if not waiting else earliest(until, deadline(ctx, run_id))
@@ -161,7 +183,10 @@ def advance(ctx: RunContext, run_id: str, wait: bool, until: datetime | None = N
 
 
 def finish(ctx: RunContext, run_id: str) -> None:
-    """qa → reconcile → finalize → publish, for a run whose requests all have final outcomes."""
+    """qa → reconcile → finalize → publish, for a run whose requests all have final outcomes.
+    It ends held when a gate gives reasons (eval drift or floor, an unanswered eval set, more
+    failed rows than `[qa] max_failed_share`), failed when every row failed (`finish_run`);
+    neither is shown in the job view."""
     progress.report("qa")
     # qa → reconcile → finalize are short SQL steps back to back (about twenty state-file opens);
     # publishing, the long one, is left unheld so other processes get in while it builds
@@ -169,9 +194,10 @@ def finish(ctx: RunContext, run_id: str) -> None:
         qa = qa_task(ctx, run_id)
         cost = reconcile_task(ctx, run_id)
         counts = finalize_task(ctx, run_id)
+        share = failed_share_gate(counts["rows"], counts["failed"], ctx.job.qa.max_failed_share)
         ctx.store.finish_run(
             run_id,
-            hold_reasons=qa["hold"],
+            hold_reasons=share + qa["hold"],
             succeeded=counts["succeeded"],
             failed=counts["failed"],
             eval_accuracy=qa["eval_accuracy"],
@@ -225,6 +251,21 @@ def send_pending(ctx: RunContext, run_id: str) -> bool:
 QUEUE_DEADLINE = (
     "the provider's queue had no room for this batch before the job's [retry] deadline_hours"
 )
+
+
+def stragglers_past_deadline(ctx: RunContext, run_id: str) -> None:
+    """The run's deadline passed with batches still waiting for room in the provider's queue:
+    they end expired and their requests go through the realtime path. A job without that path
+    (`[retry] realtime_fallback = false`) stops resumable instead, to be run again later."""
+    if not (ctx.job.retry.realtime_fallback and ctx.entry.has_realtime):
+        waiting = len(ctx.store.unsent_provider_batches(run_id))
+        raise WaitExpiredError(
+            f"run {run_id}: {waiting} batch(es) still wait for room in the provider's queue past "
+            "[retry] deadline_hours, and the job has no realtime fallback; the run is kept: run "
+            "the job again (or let `lowtide collect` go on) when the queue has room"
+        )
+    expired = ctx.store.expire_unsent_batches(run_id, QUEUE_DEADLINE)
+    stage_log("submit", "%d batch(es) never found room before the deadline", expired)
 
 
 def next_batch_room(ctx: RunContext, run_id: str) -> str | None:

@@ -29,8 +29,7 @@ def report_markdown(store: Store, job: str, run: dict[str, Any], s: dict[str, An
     if run.get("gate_note"):
         lines += [
             "",
-            f"**Held by the eval gate:** {run['gate_note']}. "
-            f"`lowtide publish {run['run_id']}` releases it.",
+            f"**Held:** {run['gate_note']}. `lowtide publish {run['run_id']}` releases it.",
         ]
     lines += ["", "## Human review", ""]
     if "qa_reviewed_accuracy" in m:

@@ -49,7 +49,8 @@ def enrich_route(
 ) -> dict[str, Any]:
     """Run `job` (loaded without a backend: its first engine) along its route, resuming the
     route of the same job content and input where it stands. Returns the summary of the step it
-    stopped in: the last one when it finished, the current one with wait=False."""
+    stopped in: the last one when it finished, the current one with wait=False. `enrich`
+    raises for a held or failed last step (`flows.enrich.outcome`), `collect` for its steps."""
     store = Store(settings.state, settings.lock_timeout_s)
     found = store.route_position(job.name, job.prompt_fingerprint(), input_fingerprint(job))
     if found is None:
@@ -59,7 +60,7 @@ def enrich_route(
         _settle(settings, job, found["run_id"], found["backend"], emulator_url)
         step = _next_step(job, found["route_step"], found["switched_at"], route)
         return _drive(settings, job, emulator_url, wait, step=step, route=route)
-    if found["status"] == RunStatus.FAILED.value:  # failed before sending: open it again
+    if found["status"] == RunStatus.FAILED.value:  # refused, or every row failed: open it again
         return _drive(settings, job, emulator_url, wait, step=found["route_step"], route=route)
     return _drive(
         settings, job, emulator_url, wait, step=found["route_step"], route=route,
@@ -137,7 +138,7 @@ def _drive(
             if switched_at is None:
                 _settle_earlier_steps(settings, job, route[0], run_id, emulator_url)
                 summary = run_summary(ctx, run_id)
-                if RunStatus(summary["status"]).finished:
+                if summary["finished_at"] is not None:  # finished, or failed with every row
                     artifacts.publish_run_report(summary)
                 return summary
         step, resume = _next_step(job, step, switched_at, route), None

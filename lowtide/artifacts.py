@@ -171,8 +171,8 @@ def run_report_markdown(summary: dict[str, Any], charts: Sequence[Chart] = ()) -
     the files.
 
     Optional summary keys used when present: `qa_samples` (rows sampled for review),
-    `exports` (label → file path), `eval_previous_by_field`, `gate_note` (why the eval gate
-    held the run)."""
+    `exports` (label → file path), `eval_previous_by_field`, `gate_note` (why a gate held
+    the run), `error` (why a failed run failed)."""
     job = str(summary.get("job", ""))
     lines = [f"# {job} — run {summary.get('run_id')}", ""]
     lines.append(
@@ -204,10 +204,12 @@ def run_report_markdown(summary: dict[str, Any], charts: Sequence[Chart] = ()) -
         else:
             lines += ["| field | accuracy |", "|---|---|"]
             lines += [f"| {k} | {v:.1%} |" for k, v in evals.items()]
-    if summary.get("gate_note"):
+    if summary.get("status") == "failed":
+        lines += ["", f"**Failed:** {summary.get('error')}. The job view keeps the last one."]
+    elif summary.get("gate_note"):
         lines += [
             "",
-            f"**Held by the eval gate:** {summary['gate_note']}. The job view keeps the last "
+            f"**Held:** {summary['gate_note']}. The job view keeps the last "
             f"published run; `lowtide publish {summary.get('run_id')}` releases this one.",
         ]
     failures = summary.get("failures_by_reason") or {}
@@ -250,13 +252,18 @@ def publish_run_report(summary: dict[str, Any]) -> None:
 
 def history_charts_of(summary: dict[str, Any]) -> list[Chart]:
     """The charts of the job's last finished runs, read from the state file the summary names
-    (`state`); none when it names none."""
+    (`state`); none when it names none, or the job has none yet (its first night failed)."""
     if not summary.get("state") or not summary.get("job"):
         return []
     from lowtide.charts import history_charts
+    from lowtide.errors import RunNotFoundError
     from lowtide.store import Store
 
-    return history_charts(Store(summary["state"]).job_history(str(summary["job"])))
+    try:
+        history = Store(summary["state"]).job_history(str(summary["job"]))
+    except RunNotFoundError:
+        return []
+    return history_charts(history)
 
 
 def publish_markdown(job: str, name: str, markdown: str, description: str) -> None:

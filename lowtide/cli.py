@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -14,7 +15,7 @@ from lowtide.backends import KNOWN, backend_entry
 from lowtide.cli_flows import Terminated, prefect_env, run_job, with_progress
 from lowtide.cli_leftovers import leftovers
 from lowtide.cli_shards import shards_app
-from lowtide.errors import LowtideError
+from lowtide.errors import CollectError, LowtideError, RunOutcomeError
 from lowtide.interrupts import forget_signal, interrupt_for, is_interrupt
 
 console = render.console
@@ -74,19 +75,28 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
+def _summary_of(call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """The run's summary, also when its flow failed for the run's outcome (held, every row
+    failed: `RunOutcomeError`, which carries it); `_exit_for` then says why and exits."""
+    try:
+        return call()
+    except RunOutcomeError as e:
+        return e.summary
+
+
 def _exit_for(summary: dict[str, Any], wait: bool = True) -> None:
-    """3 when the eval gate held the run; 1 when it did not complete, or completed with every
-    row failed (the main reason as one line); else 0."""
+    """3 when a gate held the run; 1 when it did not complete, or every row failed (the main
+    reason as one line); else 0. README's exit-code table is the contract."""
     if summary.get("status") == "held":
         render.error_line(
             f"{summary.get('gate_note')}. The job view still shows the last published run; "
             f"`lowtide publish {summary['run_id']}` releases this one.",
-            label="held by the eval gate:",
+            label="held:",
             style="bold yellow",
         )
         raise typer.Exit(3)
     every_row_failed = summary.get("rows") and not summary.get("succeeded")
-    if summary.get("status") == "completed" and every_row_failed:
+    if summary.get("status") in ("completed", "failed") and every_row_failed:
         render.error_line(render.every_row_failed(summary))
         raise typer.Exit(1)
     done = summary.get("status") in ("completed", "cancelled")
@@ -111,9 +121,9 @@ def run(
         ),
     ] = True,
 ) -> None:
-    """Run one job end to end; exits 0 when every row ended succeeded or failed with a reason
-    (with --no-wait: when the batches were submitted)."""
-    summary = run_job(job_file, backend, db, wait)
+    """Run one job end to end; exits 0 when it was published (with --no-wait: when the
+    batches were submitted), 1 failed, 2 bad job or configuration, 3 held, 75 retry later."""
+    summary = _summary_of(lambda: run_job(job_file, backend, db, wait))
     shard_files = backend_entry(summary["backend"]).shard_files
     if summary.get("status") == "submitted" and shard_files:
         console.print(
@@ -151,11 +161,22 @@ def collect(
 
         return collect_flow(db=str(db) if db else None)
 
-    touched = with_progress(call, "flows.collect")
+    try:
+        touched = with_progress(call, "flows.collect")
+    except CollectError as e:  # the runs it did collect are shown before the reasons
+        _show_collected(e.summaries)
+        raise
+    except RunOutcomeError as e:
+        _show_collected([e.summary])
+        raise
     if not touched:
         console.print("nothing in flight")
+    _show_collected(touched)
+
+
+def _show_collected(touched: list[dict[str, Any]]) -> None:
     for s in touched:
-        if s.get("status") in ("completed", "cancelled", "held"):
+        if s.get("status") in ("completed", "cancelled", "held", "failed"):
             render.run_summary(s)
         elif s.get("driven_by"):
             console.print(
@@ -230,7 +251,7 @@ def demo(
     db: Annotated[Path | None, typer.Option(help="Published DuckDB file.")] = None,
 ) -> None:
     """Run the sample job on the built-in emulator (no keys, no GPU) and show a first query."""
-    summary = run_job(SAMPLE_JOB, "emulator", db, True)
+    summary = _summary_of(lambda: run_job(SAMPLE_JOB, "emulator", db, True))
     render.run_summary(summary)
     view = summary["job"].replace("-", "_")
     console.print(f"\nResults are in {escape(summary['db'])}. A first query:", soft_wrap=True)

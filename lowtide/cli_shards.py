@@ -101,7 +101,7 @@ def import_(
     settings = _settings()
     from flows.shards import shard_dirs, shard_run
     from lowtide.backends.run_batch_shards import shard_dir
-    from lowtide.errors import UserError
+    from lowtide.errors import RunOutcomeError, UserError
     from lowtide.vocabulary import RunStatus
 
     run = shard_run(settings, run_id)
@@ -118,7 +118,11 @@ def import_(
 
         return collect_flow(db=str(db) if db else None, run_id=run_id)
 
-    touched = with_progress(call, "flows.collect")
+    ended_badly: RunOutcomeError | None = None
+    try:
+        touched = with_progress(call, "flows.collect")
+    except RunOutcomeError as e:  # held, or every row failed: shown, then its line and code
+        touched, ended_badly = [e.summary], e
     if not touched:
         console.print(f"run {run_id} is no longer in flight: nothing to import", soft_wrap=True)
         return
@@ -134,6 +138,9 @@ def import_(
         f"{counts.get('missing', 0)} without output",
         soft_wrap=True,
     )
+    if ended_badly is not None:
+        render.run_summary(summary)
+        raise ended_badly
     if RunStatus(summary["status"]).finished:
         render.run_summary(summary)
     else:

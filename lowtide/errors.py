@@ -3,9 +3,22 @@
     LowtideError (1)
     ├── UserError (2)      what the user fixes: job file, input, prices, budget, review file,
     │                      pool configuration, a state file written by a newer lowtide
-    ├── BusyError (2)      someone else holds the state file, or drives the run
-    └── BackendError (2)   an engine refused or failed: TransientBackendError (retry later),
-                           TerminalBackendError (retrying the same call cannot help)
+    ├── BusyError (75)     someone else holds the state file, or drives the run
+    ├── BackendError (2)   an engine refused or failed:
+    │   ├── TransientBackendError (75)   still failing after its retries: retry later
+    │   └── TerminalBackendError (2)     retrying the same call cannot help
+    │       └── CredentialsError (2)     no key, or the provider refused it (401/403)
+    ├── WaitExpiredError (75)   a wait for the provider ran past its deadline
+    ├── RunOutcomeError    the run finished, but is not the night's answer
+    │   ├── RunHeldError (3)     a gate held it (eval drift, failed share, eval set unanswered)
+    │   └── RunFailedError (1)   every row failed: nothing is published
+    └── CollectError       a `collect` pass's runs that failed or ended badly, one error each
+                           (its exit code: `worst_exit_code` of theirs)
+
+The exit code says what to do next: 0 done and published; 1 the run failed and nothing was
+published (look at it); 2 fix the job or its configuration; 3 held by a gate (`lowtide publish
+RUN_ID` releases it); 75 (EX_TEMPFAIL) retry later, the run resumes without paying twice. A
+scheduler retries only 75 (deployments/k8s/lowtide-run.yaml).
 
 Every message says what was wrong, where, and what to do; attributes carry the context so a flow
 can store it. The CLI catches `LowtideError` once and prints one line; anything else is a bug and
@@ -16,6 +29,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 
 class LowtideError(Exception):
@@ -31,9 +45,13 @@ class UserError(LowtideError):
 
 
 class BusyError(LowtideError):
-    """Another lowtide process holds what this one needs; waiting or retrying later helps."""
+    """Another lowtide process holds what this one needs; waiting or retrying later helps.
 
-    exit_code = 2
+    Exit 75, "retry later", not 2: nothing in the job is wrong. The holder is a `collect` or an
+    earlier run still finishing (a CronJob forbids two of its own at once), so a later start
+    finds the file free and the run either finished or resumable, paying nothing twice."""
+
+    exit_code = 75
 
 
 class BackendError(LowtideError, RuntimeError):
@@ -49,8 +67,12 @@ class BackendError(LowtideError, RuntimeError):
 
 
 class TransientBackendError(BackendError):
-    """Rate limits, 5xx, timeouts, dropped connections: worth retrying later. `retry_after_s`
-    is the provider's own hint (`retry-after`), None when it gave none: a retry waits for it."""
+    """Rate limits, 5xx, timeouts, dropped connections: worth retrying later. One that escapes
+    its task's retries stops the run resumable; the exit code asks the scheduler to retry.
+    `retry_after_s` is the provider's own hint (`retry-after`), None when it gave none: a retry
+    waits for it."""
+
+    exit_code = 75
 
     def __init__(
         self,
@@ -85,6 +107,83 @@ class ProviderQueueFullError(TransientBackendError):
     ):
         self.limit = limit
         super().__init__(message, backend=backend, operation=operation, retry_after_s=retry_after_s)
+
+
+class CredentialsError(TerminalBackendError):
+    """No key for the provider (environment, Prefect Secret block), or the provider refused the
+    one sent (HTTP 401/403). Nothing was answered, so nothing of the run is failed for it: the
+    run stays resumable with the error recorded, and the next run with a working key sends it.
+    The message never holds the key (`scrub` takes it out of a provider's words)."""
+
+
+def scrub(text: str, secret: str | None) -> str:
+    """`text` with `secret` (a key lowtide holds) taken out, for a message built from what a
+    provider said: some echo the key they refused."""
+    if not secret:
+        return text
+    return text.replace(secret, "<key>")
+
+
+class WaitExpiredError(LowtideError):
+    """A wait for the provider (a full queue, a rate limit) ran past its deadline; the run
+    stays resumable and is worth starting again later."""
+
+    exit_code = 75
+
+
+class RunOutcomeError(LowtideError):
+    """The run finished, but is not the night's answer. The flow raises it so that its Prefect
+    flow run ends Failed (alerts and automations fire); `summary` is the run's summary, which
+    the CLI still prints before the reason."""
+
+    def __init__(self, message: str, summary: dict[str, Any]):
+        self.summary = summary
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # Prefect stores a failed flow's exception
+        return (type(self), (str(self), self.summary))
+
+
+class RunHeldError(RunOutcomeError):
+    """A gate held the run (reasons in `runs.gate_note`): its results are kept, the job view
+    still shows the last published run, and `lowtide publish RUN_ID` releases it."""
+
+    exit_code = 3
+
+
+class RunFailedError(RunOutcomeError):
+    """Every row of the run failed: it ends `failed` and is never published."""
+
+    exit_code = 1
+
+
+class CollectError(LowtideError, ExceptionGroup[Exception]):
+    """Some runs could not be collected, or were finished held or failed; the others were.
+    Each inner error is one run's; `summaries` are those of every run the pass touched."""
+
+    summaries: list[dict[str, Any]]
+
+    def __new__(
+        cls, message: str, errors: list[Exception], summaries: list[dict[str, Any]] | None = None
+    ) -> CollectError:
+        self = super().__new__(cls, message, errors)
+        self.summaries = summaries or []  # None when unpickled: kept in its __dict__ instead
+        return self
+
+    def __init__(
+        self, message: str, errors: list[Exception], summaries: list[dict[str, Any]] | None = None
+    ) -> None:
+        super().__init__(message, errors)
+
+
+def worst_exit_code(codes: list[int]) -> int:
+    """One exit code for several errors (a `collect` over many runs): 75 only when every one
+    says "retry later", else the first of 1, 2, 3 that occurs (a failure before a job to fix,
+    before a held run)."""
+    firm = [c for c in codes if c != 75]
+    if not firm:
+        return 75 if codes else 1
+    return min(firm)
 
 
 class PublishError(LowtideError):

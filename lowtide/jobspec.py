@@ -174,6 +174,18 @@ class QaSpec(_Strict):
     eval_every_run: bool = True  # ask the eval set afresh each run (never from the cache)
     eval_max_drop: float = Field(0.02, ge=0, le=1)  # hold the run if a field's accuracy drops more
     eval_floor: float | None = Field(None, ge=0, le=1)  # hold the run if a field falls below this
+    max_failed_share: float = 0.05  # hold the run if more of its rows than this failed
+
+    @field_validator("max_failed_share", mode="before")
+    @classmethod
+    def _a_share(cls, v: object) -> float:
+        # before pydantic's own checks: "5%", nan or 5 get one line saying what to write
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 1:
+            raise ValueError(
+                f"max_failed_share must be a number from 0 to 1, the share of rows that may "
+                f"fail before the run is held (0.05 is 5%), not {v!r}"
+            )
+        return float(v)
 
 
 class CostSpec(_Strict):

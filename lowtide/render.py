@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from lowtide.errors import LowtideError
+from lowtide.errors import LowtideError, worst_exit_code
 
 console = Console()
 err_console = Console(stderr=True, soft_wrap=True)
@@ -194,7 +194,7 @@ def status_tables(records: list[dict[str, Any]], one_run: bool) -> None:
         console.print(bt)
         m = records[0]["metrics"]
         if records[0].get("gate_note"):
-            console.print(f"held by the eval gate: {records[0]['gate_note']}")
+            console.print(f"held: {records[0]['gate_note']}")
         if "qa_reviewed_accuracy" in m:
             console.print(
                 f"QA review: {m['qa_reviewed']:.0f} reviewed, accuracy "
@@ -318,7 +318,7 @@ def error(exc: BaseException) -> int:
     """Print a lowtide error (or each error of a group) as one line; returns the exit code."""
     if isinstance(exc, BaseExceptionGroup):
         error_line(exc.message)
-        return max(error(inner) for inner in exc.exceptions)
+        return worst_exit_code([error(inner) for inner in exc.exceptions])
     where = "".join(f" ({note})" for note in getattr(exc, "__notes__", []))
     error_line(f"{exc}{where}")
     return exc.exit_code if isinstance(exc, LowtideError) else 1

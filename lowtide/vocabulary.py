@@ -16,6 +16,7 @@ class RunStatus(StrEnum):
     running → submitted (its batches were accepted) → completed | held | cancelled
     running | submitted → cancelling (a user cancelled) → cancelled
     running → failed (refused before anything was sent: budget, bad input)
+    running | submitted → failed (every row failed: never published)
     held → completed (published by hand)
     """
 

@@ -112,6 +112,26 @@ def eval_gate(
     return reasons
 
 
+def eval_unanswered(outcomes: pl.DataFrame, gold: pl.DataFrame) -> list[str]:
+    """A reason to hold a run whose eval set got no answer at all: its accuracy would be a
+    blank, not a measure, so drift could not be seen."""
+    evals = outcomes.filter(pl.col("kind") == "eval")
+    if gold.is_empty() or evals["outcome"].is_in(ANSWERED).any():
+        return []
+    return [f"the eval set went unanswered (none of its {gold.height} rows got a valid answer)"]
+
+
+def failed_share_gate(rows: int, failed: int, max_share: float) -> list[str]:
+    """A reason to hold a run whose failed rows are more than `max_share` of its rows
+    (`[qa] max_failed_share`); empty when it may be published."""
+    if not rows or failed / rows <= max_share:
+        return []
+    return [
+        f"{failed} of {rows} rows failed ({failed / rows:.1%}), more than the "
+        f"{max_share:.1%} [qa] max_failed_share allows"
+    ]
+
+
 def _gold(ctx: RunContext, run_id: str) -> pl.DataFrame | None:
     """The eval set as load read it (kept in the work dir), or read again if the work dir is
     gone (a run finished by `collect` on another machine)."""
@@ -123,7 +143,8 @@ def _gold(ctx: RunContext, run_id: str) -> pl.DataFrame | None:
 
 @task(name="qa", task_run_name="qa-{run_id}")
 def qa_task(ctx: RunContext, run_id: str) -> dict:
-    """The review sample and the eval scores; `hold` lists the eval gate's reasons to hold."""
+    """The review sample and the eval scores; `hold` lists the eval gate's reasons to hold
+    (accuracy drift or floor, or an eval set that got no answer)."""
     job, store = ctx.job, ctx.store
     gold = _gold(ctx, run_id) if job.qa.eval_set else None
     # every unit's answer (~100 MB at a million units) is read only when a sample or the eval
@@ -140,6 +161,7 @@ def qa_task(ctx: RunContext, run_id: str) -> dict:
     store.replace_rows("qa_samples", run_id, sample)
     result: dict = {"qa_samples": sample.height, "eval_accuracy": None, "hold": []}
     if gold is not None and outcomes is not None:
+        result["hold"] = eval_unanswered(outcomes, gold)
         fields = [f for f in job.output_schema.get("properties", {}) if f in gold.columns]
         scores = eval_scores(outcomes, gold, fields, job.name)
         store.replace_rows("eval_scores", run_id, scores)
@@ -149,7 +171,8 @@ def qa_task(ctx: RunContext, run_id: str) -> dict:
                 zip(scores["field"].to_list(), scores["accuracy"].to_list(), strict=True)
             )
             previous = store.previous_eval_scores(job.name, run_id)
-            result["hold"] = eval_gate(
+            # with no answer, a drop in accuracy says nothing beyond the reason above
+            result["hold"] = result["hold"] or eval_gate(
                 scores,
                 previous if previous.height else None,
                 job.qa.eval_max_drop,

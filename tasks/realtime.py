@@ -14,6 +14,7 @@ import polars as pl
 
 from lowtide.context import RunContext
 from lowtide.crashpoints import crash_point
+from lowtide.errors import CredentialsError
 from lowtide.orchestration import task
 from lowtide.runlog import stage_log
 from lowtide.store import Store
@@ -68,6 +69,7 @@ def realtime_task(ctx: RunContext, batch_id: str, run_id: str) -> dict:
 
     The batch is marked in_progress before the first call: if the process dies during the calls,
     the next poll marks it failed (its answers, paid or not, are lost) rather than sending again.
+    A key the provider refuses puts it back to pending and raises: the run stays resumable.
     """
     from lowtide.backends.realtime import run_realtime
 
@@ -75,13 +77,17 @@ def realtime_task(ctx: RunContext, batch_id: str, run_id: str) -> dict:
     client = ctx.realtime_client()
     lines = store.request_lines(store.batch_members(batch_id)["custom_id"].to_list())
     store.start_batch(batch_id)
-    returned = run_realtime(
-        lines["line"].to_list(),
-        provider=ctx.entry.realtime_protocol(),
-        client=client,
-        concurrency=ctx.job.retry.realtime_concurrency,
-        structured_output=ctx.capabilities.structured_output,
-    )
+    try:
+        returned = run_realtime(
+            lines["line"].to_list(),
+            provider=ctx.entry.realtime_protocol(),
+            client=client,
+            concurrency=ctx.job.retry.realtime_concurrency,
+            structured_output=ctx.capabilities.structured_output,
+        )
+    except CredentialsError:
+        store.unstart_batch(batch_id)  # the key was refused, not the requests: send them later
+        raise
     counts = store_parsed(
         store,
         parse_results(returned, ctx.job.output_schema),

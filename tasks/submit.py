@@ -33,7 +33,7 @@ from lowtide.backends.base import (
 )
 from lowtide.context import RunContext
 from lowtide.crashpoints import crash_point
-from lowtide.errors import InputFileGoneError, ProviderQueueFullError
+from lowtide.errors import CredentialsError, InputFileGoneError, ProviderQueueFullError
 from lowtide.orchestration import retry_transient, task
 from lowtide.quota import (
     ALL_MODELS,
@@ -118,10 +118,14 @@ def prepare_lines_task(ctx: RunContext, run_id: str, batch_ids: list[str]) -> No
 )
 def submit_task(ctx: RunContext, batch_id: str, run_id: str) -> str | None:
     """Send one pending batch; returns its provider id. A batch the provider refuses for good
-    ends failed with the reason (its requests become failed rows) and returns None."""
+    ends failed with the reason (its requests become failed rows) and returns None. A missing
+    or refused key is raised instead: it is not the batch's fault, so the batch stays unsent
+    and the next run with a working key sends it."""
     store = ctx.store
     try:
         provider_id = submit_batch(store, ctx.batch_client(), batch_id, ctx.work_dir(run_id))
+    except CredentialsError:
+        raise
     except ProviderQueueFullError as e:
         wait_for_room(ctx, run_id, e)
         return None

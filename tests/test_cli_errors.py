@@ -160,3 +160,17 @@ def test_usage_errors_are_one_line_not_a_box(args: list[str], line: str) -> None
     result = runner.invoke(app, args, prog_name="lowtide")
     assert result.exit_code == 2, result.output
     assert _one_error_line(result.stderr) == line
+
+
+@pytest.mark.parametrize(
+    ("codes", "code"),
+    [([75, 75], 75), ([75, 3], 3), ([3, 2], 2), ([3, 75, 1, 2], 1), ([], 1)],
+)
+def test_a_group_of_errors_retries_only_when_every_one_says_retry_later(
+    codes: list[int], code: int
+) -> None:
+    """A collect over several runs: one held run beside a 429 must not make a scheduler retry
+    (`max()` would have said 75)."""
+    from lowtide.errors import worst_exit_code
+
+    assert worst_exit_code(codes) == code

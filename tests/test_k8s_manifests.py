@@ -441,3 +441,55 @@ def test_the_kubernetes_pool_mirrors_the_process_pool() -> None:
     assert worker["serviceAccountName"] in _names("ServiceAccount")
     rules = _one("Role", binding["roleRef"]["name"])["rules"]
     assert any("jobs" in r["resources"] and "create" in r["verbs"] for r in rules)
+
+
+# --- retries: only "retry later" -----------------------------------------------------------------
+
+
+def _pod_failure_action(policy: dict[str, Any], exit_code: int, conditions: set[str]) -> str:
+    """What a Job's podFailurePolicy does with a failed pod, as Kubernetes decides it: the
+    first rule that matches (its exit codes, or one of its pod conditions); with none, the
+    failure counts against backoffLimit."""
+    for rule in policy["rules"]:
+        codes = rule.get("onExitCodes")
+        if codes and (exit_code in codes["values"]) == (codes["operator"] == "In"):
+            return rule["action"]
+        if any(c["type"] in conditions for c in rule.get("onPodConditions", [])):
+            return rule["action"]
+    return "Count"
+
+
+def test_the_nightly_job_retries_only_exit_75() -> None:
+    """lowtide's exit codes (README): 75 retry later; 1 failed, 2 fix the job, 3 held by a
+    gate. Retrying a held night would ask its eval set again, and a failed one fail again."""
+    job = _one("CronJob", "lowtide-nightly")["spec"]["jobTemplate"]["spec"]
+    assert job["template"]["spec"]["restartPolicy"] == "Never"  # else the kubelet restarts it
+    assert job["backoffLimit"] >= 1
+    (container,) = job["template"]["spec"]["containers"]
+    policy = job["podFailurePolicy"]
+    assert all(
+        r["onExitCodes"]["containerName"] == container["name"]
+        for r in policy["rules"]
+        if "onExitCodes" in r
+    )
+    assert _pod_failure_action(policy, 75, set()) == "Count"
+    for code in (1, 2, 3, 130, 137, 143):  # 130/143 interrupted, 137 killed (out of memory)
+        assert _pod_failure_action(policy, code, set()) == "FailJob", code
+    # a node drained under it is no fault of the run's: retried, not counted
+    assert _pod_failure_action(policy, 143, {"DisruptionTarget"}) == "Ignore"
+
+
+def test_prefect_deployments_retry_nothing_themselves() -> None:
+    """Flow runs are not retried by Prefect (no flow retries; the work pool's Job has
+    backoffLimit 0): a run stopped by a 75 is resumed by the scheduled collect, a held or
+    failed one stays for a person (docs/operations.md)."""
+    from flows.collect import collect
+    from flows.enrich import enrich
+
+    assert not enrich.retries and not collect.retries
+    for path in (PREFECT_FILE, PROCESS_PREFECT_FILE):
+        for d in yaml.safe_load(path.read_text())["deployments"]:
+            assert "retries" not in d and "retries" not in (d.get("job_variables") or {}), d
+    template = json.loads(POOL_TEMPLATE.read_text())["job_configuration"]["job_manifest"]
+    assert template["spec"]["backoffLimit"] == 0
+    assert template["spec"]["template"]["spec"]["restartPolicy"] == "Never"

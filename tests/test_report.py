@@ -24,6 +24,7 @@ from lowtide.artifacts import history_charts_of, run_report_markdown
 from lowtide.charts import Chart, history_charts, pct, usd
 from lowtide.cli import app
 from lowtide.emulator import Emulator, EmulatorConfig
+from lowtide.errors import RunHeldError
 from lowtide.report_html import report_html
 from lowtide.store import JobHistory, Store
 from lowtide.store.history import published_history
@@ -58,7 +59,10 @@ def files(tmp_path_factory: pytest.TempPathFactory, prefect_harness: None) -> It
         for rows, extra, config in runs:
             job = write_job(tmp, rows=rows, eval_rows=20, extra=extra)
             with Emulator(config) as emu:
-                summary = enrich(job_file=str(job), emulator_url=emu.base_url, **paths)
+                try:
+                    summary = enrich(job_file=str(job), emulator_url=emu.base_url, **paths)
+                except RunHeldError as held:  # the fragile night: too many failed rows
+                    summary = held.summary
             assert summary["status"] in ("completed", "held"), summary
     yield tmp
 

@@ -48,7 +48,7 @@ from lowtide.backends.base import (
     TerminalBackendError,
     TransientBackendError,
 )
-from lowtide.backends.keys import require_key
+from lowtide.backends.keys import refused_key, require_key
 from lowtide.backends.wire import is_emulator_answer, is_transient_status, retry_after_s
 from lowtide.errors import ProviderQueueFullError
 
@@ -134,12 +134,19 @@ def _stated_queue_limit(message: str) -> float | None:
     return float(found.group(1).replace(",", "")) if found else None
 
 
-def translate(exc: BaseException, operation: str, base_url: object = None) -> BackendError:
+def translate(
+    exc: BaseException, operation: str, base_url: object = None, key: str | None = None
+) -> BackendError:
     """SDK (or transport) exception → transient or terminal, keeping the provider's message.
 
     Transient: rate limits, timeouts, dropped connections, 408/409/429, 5xx and 529 overloaded.
-    Everything else (bad request, auth, not found, a client-side AnthropicError) is terminal.
+    A refused key (401/403) is a `CredentialsError`, its message scrubbed of `key`. Everything
+    else (bad request, not found, a client-side AnthropicError) is terminal.
     """
+    if isinstance(exc, anthropic.AuthenticationError | anthropic.PermissionDeniedError):
+        return refused_key(
+            "anthropic", "ANTHROPIC_API_KEY", operation, exc.status_code, str(exc), key
+        )
     transient = isinstance(
         exc,
         anthropic.RateLimitError
@@ -277,7 +284,7 @@ class AnthropicBatchBackend:
         try:
             return fn()
         except anthropic.AnthropicError as e:
-            raise translate(e, operation, self.client.base_url) from e
+            raise translate(e, operation, self.client.base_url, self.client.api_key) from e
 
     def upload(self, batch_id: str, lines: Sequence[str]) -> None:
         """No upload step: Anthropic takes the requests inline with create."""
@@ -377,7 +384,7 @@ class AnthropicBatchBackend:
                 operation="download",
             ) from cut.error
         except anthropic.AnthropicError as e:
-            raise translate(e, "download") from e
+            raise translate(e, "download", key=self.client.api_key) from e
         return rows_frame(rows.values())
 
     def cancel(self, provider_batch_id: str) -> None:

@@ -6,23 +6,24 @@ its environment. The SDKs read their own base-URL variables (OPENAI_BASE_URL,
 ANTHROPIC_BASE_URL); lowtide only checks that a key is there before it builds a client, so a
 missing key is one clear line before anything is sent, never an SDK traceback halfway through a
 run. The key itself is returned to the client factory and nowhere else: no message, log line or
-stored value carries it.
+stored value carries it. A missing key is a `CredentialsError`: the run stays resumable, and the
+next run with the key sends what this one could not.
 """
 
 from __future__ import annotations
 
-from lowtide.errors import TerminalBackendError
+from lowtide.errors import CredentialsError, scrub
 from lowtide.settings import provider_key
 
 
 def require_key(backend: str, variable: str, block: str | None = None) -> str:
     """The key in `variable`, else the value of the Prefect Secret block named `block` (when
-    given); TerminalBackendError naming both places when neither has one."""
+    given); CredentialsError naming both places when neither has one."""
     value = provider_key(variable)
     if value:
         return value
     if not block:
-        raise TerminalBackendError(
+        raise CredentialsError(
             f"No API key for backend {backend!r}: set {variable} (looked in: environment). "
             "For a dry run without keys use --backend emulator; to read the key from a Prefect "
             "Secret block instead, name it in the job file's [model] api_key_block.",
@@ -34,11 +35,11 @@ def require_key(backend: str, variable: str, block: str | None = None) -> str:
 
 def secret_from_block(block: str, backend: str, variable: str) -> str:
     """The key saved in the Prefect Secret block `block` (read when `variable` is unset);
-    TerminalBackendError saying why not when it holds none."""
+    CredentialsError saying why not when it holds none."""
     value, why = _from_secret_block(block)
     if value:
         return value
-    raise TerminalBackendError(
+    raise CredentialsError(
         f"No API key for backend {backend!r}: set {variable} or save the key in the Prefect "
         f"Secret block {block!r} (looked in: environment, Prefect Secret block {block!r}: {why}).",
         backend=backend,
@@ -67,3 +68,17 @@ def _from_secret_block(block: str) -> tuple[str | None, str]:
     if not value.strip():
         return None, "it is empty"
     return value.strip(), ""
+
+
+def refused_key(
+    backend: str, variable: str, operation: str, status: int, detail: str, key: str | None
+) -> CredentialsError:
+    """The provider answered 401/403: the key sent is not one it accepts for this. `detail` is
+    the provider's own words, with the key taken out (some echo it back)."""
+    return CredentialsError(
+        f"{operation}: {backend} refused the API key (HTTP {status}: {scrub(detail, key)}). "
+        f"Set a key it accepts in {variable} (or the Prefect Secret block named by [model] "
+        "api_key_block) and run the job again: the run resumes and sends what was refused.",
+        backend=backend,
+        operation=operation,
+    )

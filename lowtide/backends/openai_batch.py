@@ -28,7 +28,7 @@ from lowtide.backends.base import (
     TerminalBackendError,
     TransientBackendError,
 )
-from lowtide.backends.keys import require_key
+from lowtide.backends.keys import refused_key, require_key
 from lowtide.backends.wire import EMULATOR_FINGERPRINT, is_transient_status, retry_after_s
 from lowtide.errors import InputFileGoneError, ProviderQueueFullError
 from lowtide.json_lines import json_lines
@@ -108,9 +108,14 @@ def map_status(provider_status: str) -> BatchStatus:
         ) from e
 
 
-def translate(exc: openai.OpenAIError, operation: str, base_url: object = None) -> Exception:
+def translate(
+    exc: openai.OpenAIError, operation: str, base_url: object = None, key: str | None = None
+) -> Exception:
     """SDK exception → transient or terminal, keeping the provider's message (and, when the
-    server could not be reached at all, its address)."""
+    server could not be reached at all, its address). A refused key (401/403) is a
+    `CredentialsError`, its message scrubbed of `key`: nothing was answered, nothing fails."""
+    if isinstance(exc, openai.AuthenticationError | openai.PermissionDeniedError):
+        return refused_key("openai", "OPENAI_API_KEY", operation, exc.status_code, str(exc), key)
     transient = (
         openai.RateLimitError,
         openai.APIConnectionError,
@@ -316,7 +321,7 @@ class OpenAIBatchBackend:
         try:
             return fn()
         except openai.OpenAIError as e:
-            raise translate(e, operation, self.client.base_url) from e
+            raise translate(e, operation, self.client.base_url, self.client.api_key) from e
 
     def upload(self, batch_id: str, lines: Sequence[str]) -> str:
         with ExitStack() as stack:
@@ -410,7 +415,7 @@ class OpenAIBatchBackend:
                     response.stream_to_file(path)
                 return
             except openai.OpenAIError as e:
-                raise translate(e, "download", self.client.base_url) from e
+                raise translate(e, "download", self.client.base_url, self.client.api_key) from e
             except httpx2.TransportError as e:  # the SDK retries the request, not its body
                 if attempt == _DOWNLOAD_ATTEMPTS:
                     raise TransientBackendError(

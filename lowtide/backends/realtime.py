@@ -9,7 +9,8 @@ Retries: tenacity is the only retry owner here. The client's own retries are swi
 (`max_retries=0`) for these calls, and transient errors (429, 408/409, 5xx, 529, timeouts,
 dropped connections) are retried with exponential backoff and jitter, honouring the
 provider's `retry-after-ms` / `retry-after` hint. A request that still fails becomes a
-`provider_error` row with the reason; one request's failure never raises.
+`provider_error` row with the reason; one request's failure never raises. A refused key
+(401/403) is not a request's failure: it raises `CredentialsError`, for every request alike.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from lowtide.backends.base import (
     TransientBackendError,
 )
 from lowtide.backends.wire import completion_row, retry_after_s
+from lowtide.errors import CredentialsError
 
 Provider = Literal["openai", "anthropic"]
 
@@ -65,7 +67,8 @@ def run_realtime(
     paces a rate-limited provider). Each request is tried at most `max_attempts` times.
     `structured_output` is the Anthropic schema mode ("output_config" or "tool").
     Rows have status `answered` or `provider_error` (with the error text) — never raises for
-    a single request; a line that is not valid JSON is a caller bug and does raise.
+    a single request; a line that is not valid JSON is a caller bug and does raise, and a key
+    the provider refuses raises `CredentialsError`.
     """
     if concurrency < 1 or max_attempts < 1:
         raise ValueError("concurrency and max_attempts must be at least 1")
@@ -80,8 +83,10 @@ def run_realtime(
         )
     items = [orjson.loads(line) for line in lines]
 
+    key = getattr(client, "api_key", None)  # only to scrub it from a refusal's message
+
     def one(item: dict[str, Any]) -> dict[str, Any]:
-        return _with_retries(item["custom_id"], item["body"], call, provider, max_attempts)
+        return _with_retries(item["custom_id"], item["body"], call, provider, max_attempts, key)
 
     if not items:
         return pl.DataFrame(schema=RESULT_SCHEMA)
@@ -132,10 +137,10 @@ def _completion_row(custom_id: str | None, completion: Any) -> dict[str, Any]:
     return dict(zip(RESULT_SCHEMA, completion_row(custom_id, completion.model_dump()), strict=True))
 
 
-def _translate(provider: Provider, exc: BaseException) -> BackendError:
+def _translate(provider: Provider, exc: BaseException, key: str | None = None) -> BackendError:
     if provider == "openai" and isinstance(exc, openai.OpenAIError):
-        return openai_batch.translate(exc, "realtime")  # type: ignore[return-value]
-    return anthropic_batch.translate(exc, "realtime")
+        return openai_batch.translate(exc, "realtime", key=key)  # type: ignore[return-value]
+    return anthropic_batch.translate(exc, "realtime", key=key)
 
 
 def _retry_after(exc: BaseException) -> float | None:
@@ -151,6 +156,7 @@ def _with_retries(
     call: Caller,
     provider: Provider,
     max_attempts: int,
+    key: str | None = None,
 ) -> dict[str, Any]:
     backoff = wait_exponential_jitter(multiplier=BACKOFF_INITIAL_S, max=BACKOFF_MAX_S)
 
@@ -175,6 +181,9 @@ def _with_retries(
     except TerminalBackendError as e:  # the body cannot be expressed for this provider
         return _error_row(custom_id, f"invalid request: {e}")
     except (openai.OpenAIError, anthropic.AnthropicError) as e:
+        refused = _translate(provider, e, key)
+        if isinstance(refused, CredentialsError):  # the key, not this request
+            raise refused from e
         attempts = retrying.statistics.get("attempt_number", 1)
         kind = "transient" if transient(e) else "terminal"
         return _error_row(custom_id, f"{describe(e)} ({kind}; {attempts} attempt(s))")

@@ -373,6 +373,11 @@ class ManifestStore(LinesStore):
         """Realtime and pool batches: answering has begun (its requests count as sent)."""
         self._batch(batch_id, status=BatchStatus.IN_PROGRESS.value, sent_at=_sent_now())
 
+    def unstart_batch(self, batch_id: str) -> None:
+        """A realtime batch the provider refused for the key, not for its requests: back to
+        pending, unsent, for the next run with a working key to send."""
+        self._batch(batch_id, status=BatchStatus.PENDING.value, sent_at=None)
+
     def complete_batch(self, batch_id: str) -> None:
         """Realtime and pool batches: every answer is stored."""
         self._batch(batch_id, status=BatchStatus.COMPLETED.value, collected=True)

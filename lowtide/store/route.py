@@ -49,7 +49,7 @@ class RouteStore(RunsStore):
             return step
         unpublished = status is RunStatus.COMPLETED and step["published_at"] is None
         if status is RunStatus.FAILED and step["route_step"] > 0:
-            return step  # refused before it sent anything: that step is opened again
+            return step  # refused before sending, or every row failed: opened again
         return step if status in RESUMABLE_RUN or unpublished else None
 
     def open_route_step(

@@ -6,6 +6,7 @@ The run state machine (`lowtide.vocabulary.RunStatus`):
 |---|---|---|
 | (none) | running | `open_run` |
 | running | failed | `fail_run` (refused before anything was sent) |
+| running, submitted | failed | `finish_run` (every row failed: never published) |
 | running, submitted | submitted | `mark_submitted` (never overwrites cancelling) |
 | running, submitted | cancelling | `mark_cancelling`; `mark_switched` (a `[route]` step, `store/route.py`) |
 | running, submitted, cancelling | completed, held, cancelled | `finish_run` |
@@ -303,12 +304,16 @@ class RunsStore(Database):
         realtime_cost_usd: float,
         naive_cost_usd: float,
     ) -> RunStatus:
-        """Every request ended: → cancelled (it was cancelling), held (the eval gate gave
-        reasons) or completed (published once the file is written: `mark_published`). Returns
-        the new status."""
+        """Every request ended: → cancelled (it was cancelling), failed (every row failed: never
+        published), held (a gate gave reasons) or completed (published once the file is
+        written: `mark_published`). Returns the new status."""
         current = self.run_status(run_id)
+        error = None
         if current is RunStatus.CANCELLING:
             status = RunStatus.CANCELLED
+        elif failed and not succeeded:
+            status = RunStatus.FAILED  # nothing to show: the view keeps the last good run
+            error = f"every row failed ({failed} of {failed}); nothing was published"
         elif hold_reasons:
             status = RunStatus.HELD  # results are kept; the job view keeps the last published
         else:
@@ -316,7 +321,7 @@ class RunsStore(Database):
         finished = now()
         with self._transaction() as con:
             con.execute(
-                "UPDATE runs SET status = ?, gate_note = ?, finished_at = ?, error = NULL, "
+                "UPDATE runs SET status = ?, gate_note = ?, finished_at = ?, error = ?, "
                 "succeeded = ?, failed = ?, eval_accuracy = ?, cost_usd = ?, "
                 "realtime_cost_usd = ?, naive_cost_usd = ?, "
                 "requests_sent = (SELECT count(DISTINCT br.custom_id) FROM batch_requests br "
@@ -324,8 +329,9 @@ class RunsStore(Database):
                 "WHERE run_id = ?",
                 [
                     status.value,
-                    "; ".join(hold_reasons) or None,
+                    None if error else "; ".join(hold_reasons) or None,
                     finished,
+                    error,
                     succeeded,
                     failed,
                     eval_accuracy,
@@ -356,6 +362,11 @@ class RunsStore(Database):
         status = self.run_status(run_id)
         if status is None:
             raise RunNotFoundError(f"no run {run_id!r} in {self.path}")
+        if status is RunStatus.FAILED:
+            raise RunStateError(
+                f"run {run_id} failed; a failed run is never published (its reason: "
+                f"`lowtide status {run_id}`): fix the cause and run the job again"
+            )
         if status not in FINISHED_RUN:
             raise RunStateError(f"run {run_id} is {status}; only a finished run can be published")
         return RunStatus.COMPLETED if status is RunStatus.HELD else status

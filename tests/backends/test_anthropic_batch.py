@@ -29,10 +29,12 @@ from lowtide.backends.base import (
 )
 from lowtide.backends.wire import EMULATOR_FINGERPRINT
 from lowtide.emulator import Emulator, EmulatorConfig
+from lowtide.errors import CredentialsError
 from lowtide.jobspec import JobSpec, load_job
 from tasks.assemble import openai_lines
 from tests.conftest import REPO, SAMPLE_JOB
 from tests.emulator.conftest import TEST_CONFIG, admin, advance, set_faults
+from tests.key_guard import RequireKey
 
 # --------------------------------------------------------------------------- helpers
 
@@ -681,6 +683,24 @@ def test_errors_are_translated_once_keeping_the_cause(
         backend.poll("msgbatch_unknown")
     assert isinstance(info.value.__cause__, cause)
     assert info.value.backend == "anthropic" and info.value.operation == "poll"
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_a_refused_key_is_a_credentials_error_without_the_key(status: int) -> None:
+    """Not a terminal refusal of the batch (the run stays resumable: tasks/submit.py); the key
+    the provider echoed back is taken out of the message."""
+    sent = f"sk-ant-test-{status}-not-the-one"
+    emu = Emulator(EmulatorConfig(time_scale=600.0))
+    emu.app = RequireKey(emu.app, "sk-ant-the-right-one", status=status, echo=True)
+    with emu:
+        backend = AnthropicBatchBackend(
+            anthropic.Anthropic(base_url=emu.anthropic_base_url, api_key=sent, max_retries=0)
+        )
+        refused = rf"anthropic refused the API key \(HTTP {status}"
+        with pytest.raises(CredentialsError, match=refused) as info:
+            backend.poll("msgbatch_any")
+    assert isinstance(info.value.__cause__, anthropic.APIStatusError)
+    assert sent not in str(info.value) and "Incorrect API key provided: <key>" in str(info.value)
 
 
 def test_bad_custom_id_is_terminal(emu: Emulator, job: JobSpec) -> None:

@@ -4,8 +4,16 @@ import pytest
 
 from lowtide.backends import make_backend
 from lowtide.backends.base import BatchStatus, RequestStatus, TerminalBackendError
-from lowtide.backends.openai_batch import NO_RESPONSE, map_status, parse_result_lines
+from lowtide.backends.openai_batch import (
+    NO_RESPONSE,
+    for_base_url,
+    map_status,
+    parse_result_lines,
+)
 from lowtide.backends.wire import EMULATOR_FINGERPRINT
+from lowtide.emulator import Emulator, EmulatorConfig
+from lowtide.errors import CredentialsError
+from tests.key_guard import RequireKey
 
 
 @pytest.mark.parametrize(
@@ -93,10 +101,24 @@ def test_result_lines_say_refusals_errors_and_who_answered() -> None:
 
 
 def test_missing_key_says_where_it_looked() -> None:
-    with pytest.raises(
-        TerminalBackendError, match=r"set OPENAI_API_KEY \(looked in: environment\)"
-    ):
+    with pytest.raises(CredentialsError, match=r"set OPENAI_API_KEY \(looked in: environment\)"):
         make_backend("openai")
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_a_refused_key_is_a_credentials_error_without_the_key(status: int) -> None:
+    """Not a terminal refusal of the batch (the run stays resumable: tasks/submit.py); the key
+    the provider echoed back is taken out of the message."""
+    sent = f"sk-test-{status}-not-the-one"
+    emu = Emulator(EmulatorConfig(time_scale=600.0))
+    emu.app = RequireKey(emu.app, "sk-the-right-one", status=status, echo=True)
+    with emu:
+        backend = for_base_url(emu.openai_base_url, api_key=sent)
+        refused = rf"openai refused the API key \(HTTP {status}"
+        with pytest.raises(CredentialsError, match=refused) as info:
+            backend.upload("b1", ['{"custom_id": "a"}'])
+    assert info.value.operation == "upload"
+    assert sent not in str(info.value) and "Incorrect API key provided: <key>" in str(info.value)
 
 
 def test_unknown_backend_lists_known() -> None:

@@ -25,10 +25,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from lowtide.backends import anthropic_batch, openai_batch, realtime
 from lowtide.backends.base import TerminalBackendError
 from lowtide.emulator import Emulator, EmulatorConfig, run_in_thread
+from lowtide.errors import CredentialsError
 from lowtide.jobspec import JobSpec, load_job
 from tests.backends.test_anthropic_batch import sample_lines
 from tests.conftest import SAMPLE_JOB
 from tests.emulator.conftest import TEST_CONFIG
+from tests.key_guard import RequireKey
 
 REALTIME_PATHS = ("/v1/chat/completions", "/v1/messages")
 
@@ -231,6 +233,28 @@ def test_terminal_400_is_a_provider_error_row_not_retried(
     )
     assert [r["status"] for r in rows[1:]] == ["answered"] * 3
     assert served.meter.calls[PATH[provider]] == 4  # the 400 was sent once
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_a_refused_key_raises_instead_of_failing_each_row(lines: list[str], provider: str) -> None:
+    """A 401 is about the key, not a request: no rows of provider errors (they would be failed
+    rows of a finished run), one CredentialsError without the key (tasks/realtime.py puts the
+    batch back to pending)."""
+    emu = Emulator(EmulatorConfig(**TEST_CONFIG))
+    guard = RequireKey(emu.app, "sk-the-right-one", echo=True)
+    server = run_in_thread(guard)
+    try:
+        client: Any = (
+            openai_batch.realtime_client_for_base_url(server.base_url + "/v1", "sk-wrong")
+            if provider == "openai"
+            else anthropic_batch.realtime_client_for_base_url(server.base_url, "sk-wrong")
+        )
+        with pytest.raises(CredentialsError, match="refused the API key") as info:
+            realtime.run_realtime(lines[:3], provider=provider, client=client, concurrency=1)
+    finally:
+        server.stop()
+    assert "sk-wrong" not in str(info.value)
+    assert guard.refused >= 1 and guard.accepted == 0 and emu.ledger.executions() == []
 
 
 def test_untranslatable_line_is_a_row_not_an_exception(serve: Any, lines: list[str]) -> None:

@@ -53,4 +53,4 @@ def test_a_run_whose_every_request_is_refused_exits_1_with_the_reason_on_one_lin
     assert "The model `qwen2.5-7b-instruct` does not exist" in line
     assert "Valid aliases: some-other-model" in line
     runs = query(os.environ["LOWTIDE_STATE"], "SELECT status, failed FROM runs")
-    assert runs.rows() == [("completed", 12)]  # completed, every row failed with its reason
+    assert runs.rows() == [("failed", 12)]  # every row failed with its reason: not published

@@ -51,7 +51,7 @@ def test_parsed_batches_are_stored_together_and_kept_when_a_later_one_fails(
         # the fifth batch's answers can no longer be downloaded (a refusal, not retried)
         refused = store.batch(ended[4])["output_file_id"]
         emu.state.faults.replace([FaultRule("403", "GET", f"/v1/files/{refused}/content", None)])
-        with pytest.raises(TerminalBackendError, match="download: Error code: 403"):
+        with pytest.raises(TerminalBackendError, match="download: .*Error code: 403"):
             collect(emulator_url=emu.base_url, run_id=run_id)
 
         collected = dict(store.run_batches(run_id).select("batch_id", "collected").iter_rows())

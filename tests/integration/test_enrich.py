@@ -192,7 +192,8 @@ def test_bad_input_through_the_cli_is_one_line_without_a_trace(emulator, tmp_pat
 
 def test_an_unreachable_base_url_is_named_in_one_line(tmp_path: Path) -> None:
     """A provider URL on a closed port: after its retries the run stops with one line naming
-    the address it could not reach, and stays resumable (nothing was accepted)."""
+    the address it could not reach, and stays resumable (nothing was accepted): exit 75, the
+    provider is unavailable, retry later."""
     import socket
 
     with socket.socket() as s:  # a port nothing listens on
@@ -201,7 +202,7 @@ def test_an_unreachable_base_url_is_named_in_one_line(tmp_path: Path) -> None:
     job = write_job(tmp_path, rows=5, eval_rows=2)
     env = {"OPENAI_BASE_URL": f"http://127.0.0.1:{closed}/v1", "OPENAI_API_KEY": "x"}
     done = lowtide_cli("run", str(job), "--backend", "openai", cwd=tmp_path, env=env)
-    assert done.returncode != 0
+    assert done.returncode == 75, done.stdout + done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, done.stderr
     assert f"cannot reach http://127.0.0.1:{closed}/v1" in errors[0]

@@ -353,7 +353,7 @@ def test_the_state_file_held_by_another_process(tmp_path: Path) -> None:
         if holder.poll() is None:
             holder.kill()
             holder.wait()
-    assert held.returncode == 2, held.stdout + held.stderr
+    assert held.returncode == 75, held.stdout + held.stderr  # retry later: nothing is wrong
     (line,) = held.stderr.splitlines()
     assert line.startswith(f"error: state file {state} is locked by "), line
     assert f"(PID {holder.pid})" in line and "waited 2 s" in line, line
@@ -372,7 +372,7 @@ def test_the_state_file_held_by_another_process(tmp_path: Path) -> None:
         batches,
         sum(executed.values()),
         0,
-        "the held run exited 2 after waiting 2 s, naming the file and the holder's PID, and "
+        "the held run exited 75 after waiting 2 s, naming the file and the holder's PID, and "
         "sent 0 requests; after the holder let go, a rerun completed",
     )
 

@@ -174,7 +174,7 @@ def test_a_field_below_the_eval_floor_holds_the_run_with_exit_3_until_published(
     second = _newest_run()
     assert second["run_id"] != first["run_id"]
     (line,) = _error_lines(held.stderr)
-    assert line.startswith("held by the eval gate: intent accuracy 70.0% is below the floor 75.0%")
+    assert line.startswith("held: intent accuracy 70.0% is below the floor 75.0%")
     assert f"`lowtide publish {second['run_id']}`" in line
     assert second["status"] == "held" and second["published_at"] is None
     assert "intent accuracy 70.0% is below the floor 75.0%" in second["gate_note"]
@@ -192,8 +192,9 @@ def test_a_field_below_the_eval_floor_holds_the_run_with_exit_3_until_published(
 
 
 def test_a_run_whose_every_row_failed_exits_1_with_the_main_reason(tmp_path: Path) -> None:
-    """Every request errors at the provider and nothing retries it: the run completes (each
-    row failed with its reason) and `lowtide run` exits 1 with one line saying so."""
+    """Every request errors at the provider and nothing retries it: the run ends failed (each
+    row failed with its reason, nothing published) and `lowtide run` exits 1 with one line
+    saying so."""
     job = write_job(
         tmp_path,
         rows=6,
@@ -211,7 +212,8 @@ def test_a_run_whose_every_row_failed_exits_1_with_the_main_reason(tmp_path: Pat
     (line,) = _error_lines(done.stderr)
     assert line.startswith(f"error: every row of run {run['run_id']} failed (6 of 6)")
     assert "main reason: provider_error (6 rows)" in line
-    assert run["status"] == "completed" and run["failed"] == 6 and run["succeeded"] == 0
+    assert run["status"] == "failed" and run["failed"] == 6 and run["succeeded"] == 0
+    assert run["published_at"] is None
     assert errored == run["requests_sent"] == run["unique_requests"] == 7  # 5 texts + 2 eval
     failures = query(
         _state(), "SELECT reason FROM failures WHERE run_id = ? AND kind = 'row'", [run["run_id"]]

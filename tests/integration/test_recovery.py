@@ -17,6 +17,7 @@ import pytest
 from flows.collect import collect
 from flows.enrich import enrich
 from lowtide.emulator import Emulator, EmulatorConfig
+from lowtide.errors import RunFailedError, RunHeldError
 from lowtide.pricing import load_price
 from lowtide.store import Store
 from tests.integration.conftest import advance_clock, cancel_through_cli, write_job
@@ -89,9 +90,11 @@ def test_errored_requests_retry_then_fail_with_a_reason(tmp_path: Path) -> None:
         extra="[retry]\nmax_attempts = 2\nrealtime_fallback = false\n",
     )
     with Emulator(EmulatorConfig(time_scale=600.0, error_rate=1.0)) as emu:
-        s = enrich(job_file=str(job), emulator_url=emu.base_url)
+        with pytest.raises(RunFailedError) as ended:  # every row failed: the flow run fails
+            enrich(job_file=str(job), emulator_url=emu.base_url)
+        s = ended.value.summary
         _invariant(s, 20)
-        assert s["failed"] == 20 and s["status"] == "completed"
+        assert s["failed"] == 20 and s["status"] == "failed" and s["published_at"] is None
         assert emu.ledger.executions() == []  # errored requests are not billed
         _nothing_left(emu)
         store = _store()
@@ -135,9 +138,11 @@ def test_stragglers_go_through_the_realtime_path(tmp_path: Path) -> None:
 def test_a_batch_that_fails_validation_reports_the_providers_line_errors(tmp_path: Path) -> None:
     job = write_job(tmp_path, rows=20, eval_rows=5)
     with Emulator(EmulatorConfig(time_scale=600.0, error_rate=0.0, max_batch_lines=10)) as emu:
-        s = enrich(job_file=str(job), emulator_url=emu.base_url)
+        with pytest.raises(RunFailedError) as ended:
+            enrich(job_file=str(job), emulator_url=emu.base_url)
+        s = ended.value.summary
         _invariant(s, 20)
-        assert s["failed"] == 20
+        assert s["failed"] == 20 and s["status"] == "failed"
         detail = query(
             _store(), "SELECT DISTINCT detail FROM failures WHERE run_id = ?", [s["run_id"]]
         )
@@ -314,7 +319,9 @@ def test_eval_gate_holds_a_drifted_run_until_published(tmp_path: Path) -> None:
         first = enrich(job_file=str(job), emulator_url=emu.base_url)
         assert first["status"] == "completed"
         emu.state.patch_config({"model_version": 2})
-        second = enrich(job_file=str(job), emulator_url=emu.base_url)
+        with pytest.raises(RunHeldError) as held:  # a held night fails its flow run
+            enrich(job_file=str(job), emulator_url=emu.base_url)
+    second = held.value.summary
     assert second["status"] == "held", second
     assert "accuracy fell" in second["gate_note"]
     con = duckdb.connect(os.environ["LOWTIDE_DB"], read_only=True)

@@ -19,7 +19,8 @@ from prefect.client.orchestration import get_client
 from flows.enrich import enrich
 from lowtide.backends import backend_entry
 from lowtide.emulator import Emulator, EmulatorConfig
-from lowtide.errors import TerminalBackendError
+from lowtide.errors import CredentialsError
+from lowtide.store import Store
 from tests.integration.conftest import write_job
 
 pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.slow]
@@ -96,14 +97,28 @@ def test_the_key_comes_from_the_block_and_is_left_nowhere(
     assert key not in caplog.text and key not in repr([r.__dict__ for r in caplog.records])
 
 
-def test_without_key_or_block_the_run_stops_naming_both(
+def test_without_key_or_block_the_run_stops_naming_both_then_the_block_answers_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """No key anywhere: one error naming both places, and the run stays resumable, nothing of
+    it failed. Once the block is saved, the next run resumes it and answers every row, each
+    request executed once (the emulator's ledger)."""
     block = f"openai-missing-{uuid.uuid4().hex[:8]}"
     job = _job(tmp_path, block)
     with Emulator(EmulatorConfig(time_scale=600.0, error_rate=0.0)) as emu:
         _point_openai_at(emu, monkeypatch)
-        with pytest.raises(TerminalBackendError, match="set OPENAI_API_KEY or save the key") as e:
+        with pytest.raises(CredentialsError, match="set OPENAI_API_KEY or save the key") as e:
             enrich(job_file=str(job), backend="openai", emulator_url=emu.base_url)
         assert emu.ledger.count_by_custom_id() == {}  # nothing was sent
+        (stopped,) = Store(os.environ["LOWTIDE_STATE"]).list_runs().to_dicts()
+        assert stopped["status"] == "running" and "no such block" in stopped["error"]
+        batches = Store(os.environ["LOWTIDE_STATE"]).run_batches(stopped["run_id"])
+        assert set(batches["status"]) == {"pending"}  # not failed: the next run sends them
+
+        Secret(value=f"sk-test-{uuid.uuid4().hex}").save(block)
+        s = enrich(job_file=str(job), backend="openai", emulator_url=emu.base_url)
+        billed = emu.ledger.count_by_custom_id()
     assert f"Prefect Secret block {block!r}: no such block" in str(e.value)
+    assert s["run_id"] == stopped["run_id"] and s["status"] == "completed"
+    assert s["rows"] == 15 == s["succeeded"]
+    assert len(billed) == s["unique_requests"] and set(billed.values()) == {1}

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +40,7 @@ from lowtide.emulator.ledger import BillingLedger
 from lowtide.emulator.vllm_pool import start_engines
 from tests.conftest import REPO
 from tests.integration.conftest import lowtide_cli, write_job
+from tests.key_guard import RequireKey
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -151,47 +152,6 @@ def _sqlite_counts(path: Path, tables: tuple[str, ...]) -> dict[str, int]:
         return {t: con.execute(f'SELECT count(*) FROM "{t}"').fetchone()[0] for t in tables}
     finally:
         con.close()
-
-
-# -- a provider that requires the key -----------------------------------------------------------
-
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
-
-
-class RequireKey:
-    """ASGI wrapper: provider calls (`/v1/...`) without exactly this key get a 401, as a real
-    provider answers a wrong key; `accepted` counts the calls that carried it."""
-
-    def __init__(self, app: Any, key: str) -> None:
-        self.app = app
-        self.key = key.encode()
-        self.accepted = 0
-        self.refused = 0
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            headers = dict(scope["headers"])
-            if self.key not in (headers.get(b"x-api-key"), _bearer(headers)):
-                self.refused += 1
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": 401,
-                        "headers": [(b"content-type", b"application/json")],
-                    }
-                )
-                body = {"error": {"message": "Incorrect API key provided", "type": "auth"}}
-                await send({"type": "http.response.body", "body": json.dumps(body).encode()})
-                return
-            self.accepted += 1
-        await self.app(scope, receive, send)
-
-
-def _bearer(headers: dict[bytes, bytes]) -> bytes | None:
-    value = headers.get(b"authorization", b"")
-    return value[7:] if value.lower().startswith(b"bearer ") else None
 
 
 # -- a dedicated Prefect server -----------------------------------------------------------------
@@ -377,9 +337,11 @@ def test_a_run_leaves_its_key_nowhere(
     (record,) = json.loads(status.stdout)
     run_id = record["run_id"]
     if "refused" in case:
-        assert run.returncode != 0 and "401" in run.stderr, run.stdout + run.stderr
-        # every row failed with the 401 as its reason (kept in the state file: scanned below)
-        assert record["status"] == "completed" and record["failed"] == 24, record
+        assert run.returncode == 2 and "401" in run.stderr, run.stdout + run.stderr
+        # refused for the key, not for its rows: the run stays resumable with the 401 as its
+        # error (kept in the state file: scanned below), no row failed for it
+        assert record["status"] == "running" and not record["failed"], record
+        assert "refused the API key (HTTP 401" in record["error"], record
         assert record["requests_sent"] == 0  # refused at the upload: nothing reached it
         done = _cli("status", run_id, env=env, cwd=tmp_path)
         outputs.append(("status RUN", done.stdout + done.stderr))
@@ -411,9 +373,11 @@ def test_a_run_leaves_its_key_nowhere(
         "calls": calls,
         "prefect": counts,
     }
-    # the state file, the published file and the work dir are among what was scanned
+    # the state file, the published file and the work dir are among what was scanned (a
+    # refused key publishes nothing: its run waits, resumable, for a key the provider takes)
     scanned = {p.name for p in tmp_path.rglob("*") if p.is_file()}
-    assert {"state.duckdb", "lowtide.duckdb"} <= scanned
+    assert {"state.duckdb"} <= scanned
+    assert ("lowtide.duckdb" in scanned) != ("refused" in case)
     assert any((tmp_path / "work").rglob("*.parquet")) or "refused" in case
     assert scan.hits == [], f"the key {key} was found in {scan.hits}"
 
@@ -513,12 +477,14 @@ def test_write_the_secrets_table() -> None:
     for case in CASES:
         r = RESULTS[case]
         p = r["prefect"]
-        extra = " (no exports: no row succeeded)" if "refused" in case else ", exports, report"
+        refused = "refused" in case  # its run waits for a key: nothing published or exported
+        places = common.replace("published file, ", "") if refused else common
+        extra = " (no published file, no exports)" if refused else ", exports, report"
         prefect = " / ".join(
             str(p[t]) for t in ("artifact", "log", "flow_run", "task_run", "events")
         )
         lines.append(
-            f"| {case} | {source[case]} | {r['calls']} | {common}{extra} | {r['files']} | "
+            f"| {case} | {source[case]} | {r['calls']} | {places}{extra} | {r['files']} | "
             f"{r['bytes']:,} | {r['values']} | {r['texts']} | {prefect} | {len(r['hits'])} |"
         )
     planted = RESULTS["planted"]

@@ -20,7 +20,6 @@ import polars as pl
 from lowtide.backends.base import (
     RESULT_SCHEMA,
     RequestStatus,
-    TerminalBackendError,
     TransientBackendError,
 )
 from lowtide.backends.vllm_pool.config import CHAT_PATH, CUSTOM_ID_HEADER, ENV_API_KEY, PoolConfig
@@ -40,6 +39,7 @@ from lowtide.backends.vllm_pool.endpoint import Endpoint, answered_row, error_te
 from lowtide.backends.vllm_pool.queues import DONE, INFLIGHT, PENDING, WorkQueues
 from lowtide.backends.vllm_pool.stats import InflightMeter, PoolStats
 from lowtide.backends.wire import retry_after_s
+from lowtide.errors import CredentialsError, scrub
 
 Checkpoint = Callable[[pl.DataFrame], None]
 
@@ -234,8 +234,9 @@ class _PoolRun:
             return
         reason = f"HTTP {status} {error_text(response)}"
         if outcome is Verdict.KEY_REFUSED:
-            self.fatal = TerminalBackendError(
-                f"vLLM endpoint {ep.url} refused the API key ({reason}); set "
+            self.fatal = CredentialsError(  # the run stays resumable: nothing failed for it
+                f"vLLM endpoint {ep.url} refused the API key "
+                f"({scrub(reason, self.config.api_key)}); set "
                 f"{ENV_API_KEY} (or [pool] api_key in the job file) to the servers' --api-key",
                 backend="vllm",
                 operation="chat",
