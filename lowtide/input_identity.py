@@ -104,7 +104,8 @@ def _read_digest(job: JobSpec, algorithm: str) -> str | None:
 
 def spec_digest(job: JobSpec) -> str:
     """Digest of the whole job spec as loaded (prompt, schema, columns, chunking, model, ...):
-    any change to the job file's meaning changes it; where the file lives, and whether the
-    provider keeps its files (`[provider]`: nothing of the answers), do not."""
-    text = job.model_dump_json(exclude={"source_path", "provider"})
+    any change to the job file's meaning changes it; where the file lives, whether the
+    provider keeps its files (`[provider]`) and what its account allows (`[limits]`): nothing
+    of the answers, do not."""
+    text = job.model_dump_json(exclude={"source_path", "provider", "limits"})
     return hashlib.blake2b(text.encode(), digest_size=20).hexdigest()

@@ -165,9 +165,10 @@ def admit(ctx: RunContext, run_id: str) -> tuple[list[str], str | None]:
     first_why: str | None = None
     now = time.time()
     for batch_id, n_requests, tokens, wait_below in unsent.iter_rows():
-        if room_for(Batch(0, 0), limits, usage, now=now, probe=probe) is not None:
+        blocked = room_for(Batch(0, 0), limits, usage, now=now, probe=probe)
+        if blocked is not None:
             # the provider's wait, its create rate or a batch awaiting admission: nothing goes
-            return admitted, first_why or room_for(Batch(0, 0), limits, usage, now=now, probe=probe)
+            return admitted, first_why or blocked
         why = room_for(Batch(tokens, n_requests), limits, usage, now=now, probe=probe)
         if why is None and wait_below is not None and usage.tokens >= wait_below:
             # refused before while the queue held this much: the provider counts it larger

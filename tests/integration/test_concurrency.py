@@ -25,8 +25,8 @@ import duckdb
 import pytest
 
 from lowtide.emulator import Emulator, EmulatorConfig
-from tests.conftest import REPO
 from tests.integration.conftest import lowtide_cli, start_lowtide_run, write_job
+from tests.reliability_doc import write_section
 from tests.waiting import wait_until
 
 pytestmark = [
@@ -246,7 +246,7 @@ def test_write_the_concurrency_table(tmp_path: Path) -> None:
             f"| {case} | {r['exit']} | `` {message} `` | {named if r['holder'] != '-' else '-'} | "
             f"{r['runs']} | {r['batches']} | {r['executed_twice']} | {r['rows']} |"
         )
-    _write_section("\n".join(lines))
+    write_section("concurrency", "Concurrency", "\n".join(lines))
 
 
 def _generic(message: str, host: str, state: str) -> str:
@@ -257,18 +257,3 @@ def _generic(message: str, host: str, state: str) -> str:
     message = re.sub(r"/\S*?state\.duckdb", "<state>", message)
     message = re.sub(r"locked by \S+python\S*", "locked by <python>", message)
     return message.replace(state, "<state>").replace("|", "\\|")
-
-
-def _write_section(body: str) -> None:
-    doc = REPO / "docs" / "reliability.md"
-    text = doc.read_text()
-    start = "<!-- concurrency:start (written by tests/integration/test_concurrency.py) -->"
-    end = "<!-- concurrency:end -->"
-    block = f"{start}\n{body}\n{end}"
-    if start in text:
-        head, _, rest = text.partition(start)
-        _, _, tail = rest.partition(end)
-        text = head + block + tail
-    else:
-        text = text.rstrip("\n") + f"\n\n## Concurrency\n\n{block}\n"
-    doc.write_text(text)

@@ -22,8 +22,8 @@ from flows.enrich import enrich
 from lowtide.backends import backend_entry
 from lowtide.emulator import Emulator, EmulatorConfig
 from lowtide.jobspec import load_job
-from tests.conftest import REPO
 from tests.integration.conftest import write_job
+from tests.reliability_doc import write_section
 
 pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.slow]
 
@@ -248,19 +248,4 @@ def test_write_the_injection_table() -> None:
             f"| {backend} | {r['rows']} | {r['requests']} | {r['per_row'].count(1)} of {r['rows']} "
             f"| {r['requests']} of {r['requests']} |"
         )
-    _write_section("injection", "tests/integration/test_injection.py", "\n".join(lines))
-
-
-def _write_section(name: str, writer: str, body: str) -> None:
-    doc = REPO / "docs" / "reliability.md"
-    text = doc.read_text()
-    start = f"<!-- {name}:start (written by {writer}) -->"
-    end = f"<!-- {name}:end -->"
-    block = f"{start}\n{body}\n{end}"
-    if start in text:
-        head, _, rest = text.partition(start)
-        _, _, tail = rest.partition(end)
-        text = head + block + tail
-    else:
-        text = text.rstrip("\n") + f"\n\n## Prompt injection\n\n{block}\n"
-    doc.write_text(text)
+    write_section("injection", "Prompt injection", "\n".join(lines))

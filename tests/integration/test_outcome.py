@@ -24,9 +24,9 @@ from lowtide import routing
 from lowtide.backends import backend_entry
 from lowtide.emulator import Emulator, EmulatorConfig
 from lowtide.errors import RunHeldError
-from tests.conftest import REPO
 from tests.integration.conftest import advance_clock, lowtide_cli, write_job
 from tests.key_guard import RequireKey
+from tests.reliability_doc import write_section
 from tests.sql import query
 
 pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.slow]
@@ -369,19 +369,4 @@ def test_write_the_outcome_table() -> None:
             f"{r['succeeded']} | {r['failed']} | {r['rows lost']} | {r['paid twice']} | "
             f"{r['view']} | {r['flow']} |"
         )
-    _write_section("\n".join(lines))
-
-
-def _write_section(body: str) -> None:
-    doc = REPO / "docs" / "reliability.md"
-    text = doc.read_text()
-    start = "<!-- outcome:start (written by tests/integration/test_outcome.py) -->"
-    end = "<!-- outcome:end -->"
-    block = f"{start}\n{body}\n{end}"
-    if start in text:
-        head, _, rest = text.partition(start)
-        _, _, tail = rest.partition(end)
-        text = head + block + tail
-    else:
-        text = text.rstrip("\n") + f"\n\n## Keys and bad nights\n\n{block}\n"
-    doc.write_text(text)
+    write_section("outcome", "Keys and bad nights", "\n".join(lines))

@@ -17,8 +17,8 @@ import pytest
 
 from lowtide.emulator import Emulator, EmulatorConfig
 from lowtide.emulator.limits import queue_report
-from tests.conftest import REPO
 from tests.integration.conftest import lowtide_cli, write_job
+from tests.reliability_doc import write_section
 from tests.sql import query, scalar
 
 pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.slow]
@@ -238,53 +238,4 @@ def test_write_the_quota_table() -> None:
             f"| {case} | {r['provider']} | {r['nights']} | {r['refusals']} | {r['rows']} | "
             f"{r['lost']} | {r['failed']} | {r['paid_twice']} |"
         )
-    doc = REPO / "docs" / "reliability.md"
-    text = doc.read_text()
-    start = "<!-- quota:start (written by tests/integration/test_quota.py) -->"
-    end = "<!-- quota:end -->"
-    block = f"{start}\n" + "\n".join(lines) + f"\n{end}"
-    if start in text:
-        head, _, rest = text.partition(start)
-        _, _, tail = rest.partition(end)
-        text = head + block + tail
-    else:
-        text = text.rstrip("\n") + f"\n\n## Provider queues\n\n{block}\n"
-    doc.write_text(text)
-
-
-def test_batches_still_waiting_at_the_deadline_take_the_stragglers_path(tmp_path: Path) -> None:
-    """A queue that holds one batch, batches that run a simulated hour, and a deadline of under
-    a second: the batches still waiting for room end expired at the deadline and their requests
-    go through the realtime path; every row is answered, none twice."""
-    extra = "\n[limits.openai]\nenqueued_tokens = 30000\n"
-    job = write_job(
-        tmp_path,
-        rows=90,
-        eval_rows=5,
-        extra=extra,
-        replace={"[cost]": "[retry]\ndeadline_hours = 0.0002\n\n[cost]"},
-    )
-    config = EmulatorConfig(
-        time_scale=600.0, seed=3, error_rate=0.0, batch_seconds_per_request=120.0
-    )
-    with Emulator(config) as emu:
-        done = lowtide_cli(
-            "run", str(job), "--backend", "openai", cwd=tmp_path, env=_env(emu, tmp_path)
-        )
-        assert done.returncode == 0, done.stdout + done.stderr
-        run = _last_run()
-        assert run["succeeded"] == 90
-        expired = scalar(
-            os.environ["LOWTIDE_STATE"],
-            "SELECT count(*) FROM batches WHERE run_id = ? AND status = 'expired' "
-            "AND errors LIKE '%queue_full%'",
-            [run["run_id"]],
-        )
-        assert expired >= 1
-        realtime = scalar(
-            os.environ["LOWTIDE_STATE"],
-            "SELECT count(*) FROM results WHERE run_id = ? AND channel = 'realtime'",
-            [run["run_id"]],
-        )
-        assert realtime >= SHARD
-        assert set(emu.ledger.count_by_custom_id().values()) == {1}
+    write_section("quota", "Provider queues", "\n".join(lines))

@@ -38,9 +38,9 @@ from lowtide.emulator import Emulator, EmulatorConfig
 from lowtide.emulator.engine import EngineConfig
 from lowtide.emulator.ledger import BillingLedger
 from lowtide.emulator.vllm_pool import start_engines
-from tests.conftest import REPO
 from tests.integration.conftest import lowtide_cli, write_job
 from tests.key_guard import RequireKey
+from tests.reliability_doc import write_section
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -494,19 +494,4 @@ def test_write_the_secrets_table() -> None:
         "(a DuckDB table of 20,000 compressible rows, Parquet, SQLite, a nested log, base64, the "
         f"random part alone) is found in all {planted['hits']} and nowhere else.",
     ]
-    _write_section("secrets", "Secrets", "\n".join(lines))
-
-
-def _write_section(name: str, title: str, body: str) -> None:
-    doc = REPO / "docs" / "reliability.md"
-    text = doc.read_text()
-    start = f"<!-- {name}:start (written by tests/integration/test_{name}.py) -->"
-    end = f"<!-- {name}:end -->"
-    block = f"{start}\n{body}\n{end}"
-    if start in text:
-        head, _, rest = text.partition(start)
-        _, _, tail = rest.partition(end)
-        text = head + block + tail
-    else:
-        text = text.rstrip("\n") + f"\n\n## {title}\n\n{block}\n"
-    doc.write_text(text)
+    write_section("secrets", "Secrets", "\n".join(lines))
