@@ -83,7 +83,14 @@ def _last_run() -> dict:
 
 def test_a_queue_smaller_than_the_job_is_learned_once_and_remembered(tmp_path: Path) -> None:
     job = write_job(tmp_path, rows=ROWS, eval_rows=10)
-    config = EmulatorConfig(time_scale=600.0, seed=3, error_rate=0.0, enqueued_token_limit=QUEUE)
+    # batches run long enough (50 simulated minutes) for the queue to fill before one ends
+    config = EmulatorConfig(
+        time_scale=600.0,
+        seed=3,
+        error_rate=0.0,
+        enqueued_token_limit=QUEUE,
+        batch_seconds_per_request=100.0,
+    )
     with Emulator(config) as emu:
         env = _env(emu, tmp_path)
         first = lowtide_cli("run", str(job), "--backend", "openai", cwd=tmp_path, env=env)
@@ -221,9 +228,48 @@ def test_anthropic_queue_full_waits_for_room_and_learns_its_size(tmp_path: Path)
         _record("Anthropic queue of 2 batches (429, retry-after)", "anthropic", emu, [run])
 
 
+def test_batches_still_waiting_at_the_deadline_take_the_stragglers_path(tmp_path: Path) -> None:
+    """A queue that holds one batch, batches that run a simulated hour, and a deadline of under
+    a second: the batches still waiting for room end expired at the deadline and their requests
+    go through the realtime path; every row is answered, none twice."""
+    extra = "\n[limits.openai]\nenqueued_tokens = 30000\n"
+    job = write_job(
+        tmp_path,
+        rows=90,
+        eval_rows=5,
+        extra=extra,
+        replace={"[cost]": "[retry]\ndeadline_hours = 0.0002\n\n[cost]"},
+    )
+    config = EmulatorConfig(
+        time_scale=600.0, seed=3, error_rate=0.0, batch_seconds_per_request=120.0
+    )
+    with Emulator(config) as emu:
+        done = lowtide_cli(
+            "run", str(job), "--backend", "openai", cwd=tmp_path, env=_env(emu, tmp_path)
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        run = _last_run()
+        assert run["succeeded"] == 90
+        expired = scalar(
+            os.environ["LOWTIDE_STATE"],
+            "SELECT count(*) FROM batches WHERE run_id = ? AND status = 'expired' "
+            "AND errors LIKE '%queue_full%'",
+            [run["run_id"]],
+        )
+        assert expired >= 1
+        realtime = scalar(
+            os.environ["LOWTIDE_STATE"],
+            "SELECT count(*) FROM results WHERE run_id = ? AND channel = 'realtime'",
+            [run["run_id"]],
+        )
+        assert realtime >= SHARD
+        assert set(emu.ledger.count_by_custom_id().values()) == {1}
+        _record("deadline passed while batches waited for room", "openai", emu, [run])
+
+
 def test_write_the_quota_table() -> None:
     """Runs after the cases (file order): the table in docs/reliability.md."""
-    if len(RESULTS) < 5:
+    if len(RESULTS) < 6:
         pytest.skip("the cases did not all run in this session")
     lines = [
         "The sample job against an emulated provider whose queue is smaller than the job "
