@@ -220,6 +220,7 @@ def send_pending(ctx: RunContext, run_id: str) -> bool:
     are submitted as far as the provider's queue has room (True when some are left waiting for
     it); a streaming backend's shards run through its pool to the end."""
     store = ctx.store
+    why: str | None = None  # why provider batches wait for the queue, if they do
     pending_realtime = store.pending_realtime_batches(run_id)
     for batch_id in pending_realtime:
         realtime_task(ctx, batch_id, run_id)
@@ -231,16 +232,15 @@ def send_pending(ctx: RunContext, run_id: str) -> bool:
             stream_task(ctx, batch_id, run_id)
         sent = shards
     else:
-        unsent = store.unsent_provider_batches(run_id)
-        sent, why = admit(ctx, run_id) if unsent else ([], None)
+        sent, why = admit(ctx, run_id)
         if len(sent) > 1:  # every batch's lines from one pass over the requests, not one each
             prepare_lines_task(ctx, run_id, sent)
         for i, batch_id in enumerate(sent):
             progress.report("submit", i, len(sent))
             submit_task(ctx, batch_id, run_id)
-        if why is not None:
-            stage_log("submit", "%d batch(es) wait for room: %s", len(unsent) - len(sent), why)
     waiting = ctx.entry.mode == "batch" and bool(store.unsent_provider_batches(run_id))
+    if waiting and why is not None:
+        stage_log("submit", "batches wait for room: %s", why)
     if pending_realtime or sent or waiting:
         # batches waiting for the provider's queue are handed over too: `collect` sends them
         store.fold_reasks()

@@ -96,17 +96,9 @@ class ProviderQueueFullError(TransientBackendError):
     `retry_after_s` is the provider's own hint and `limit` the queue size its message states,
     each None when it gave none."""
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        backend: str = "",
-        operation: str = "",
-        retry_after_s: float | None = None,
-        limit: float | None = None,
-    ):
+    def __init__(self, message: str, *, limit: float | None = None, **where: Any):
         self.limit = limit
-        super().__init__(message, backend=backend, operation=operation, retry_after_s=retry_after_s)
+        super().__init__(message, **where)
 
 
 class CredentialsError(TerminalBackendError):

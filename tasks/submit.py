@@ -148,8 +148,11 @@ def admit(ctx: RunContext, run_id: str) -> tuple[list[str], str | None]:
     wait (None when none do). A batch larger than a third of the queue's token limit is first
     cut into pieces of a third; one that does not fit the room left is passed over for a later,
     smaller one that does."""
-    store, limits = ctx.store, ctx.queue_limits()
+    store = ctx.store
     unsent = store.unsent_batch_sizes(run_id)
+    if unsent.is_empty():
+        return [], None
+    limits = ctx.queue_limits()
     cap = limits.enqueued_tokens
     if cap is not None and math.isfinite(cap):
         piece = int(cap * PLANNING_SHARE / PIECES_PER_QUEUE)

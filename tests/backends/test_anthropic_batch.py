@@ -3,7 +3,6 @@ emulator (frozen clock, advanced by hand so every transition lands where the tes
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -30,10 +29,10 @@ from lowtide.backends.base import (
 from lowtide.backends.wire import EMULATOR_FINGERPRINT
 from lowtide.emulator import Emulator, EmulatorConfig
 from lowtide.errors import CredentialsError
-from lowtide.jobspec import JobSpec, load_job
+from lowtide.jobspec import JobSpec
 from tasks.assemble import openai_lines
-from tests.conftest import REPO, SAMPLE_JOB
-from tests.emulator.conftest import TEST_CONFIG, admin, advance, set_faults
+from tests.conftest import REPO
+from tests.emulator.conftest import admin, advance, set_faults
 from tests.key_guard import RequireKey
 
 # --------------------------------------------------------------------------- helpers
@@ -60,25 +59,6 @@ def sample_lines(job: JobSpec, n: int) -> list[str]:
 
 def ids_of(lines: list[str]) -> list[str]:
     return [orjson.loads(line)["custom_id"] for line in lines]
-
-
-@pytest.fixture(scope="module")
-def job() -> JobSpec:
-    return load_job(SAMPLE_JOB, backend="anthropic")
-
-
-@pytest.fixture
-def make_emu() -> Iterator[Any]:
-    started: list[Emulator] = []
-
-    def make(**overrides: Any) -> Emulator:
-        emu = Emulator(EmulatorConfig(**{**TEST_CONFIG, **overrides})).start()
-        started.append(emu)
-        return emu
-
-    yield make
-    for emu in started:
-        emu.stop()
 
 
 @pytest.fixture

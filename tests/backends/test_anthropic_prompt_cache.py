@@ -4,40 +4,20 @@ model's minimum is not cached at all."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import polars as pl
-import pytest
 
 from lowtide.backends.prompt_cache import anthropic_min_tokens
-from lowtide.emulator import Emulator, EmulatorConfig
-from lowtide.jobspec import JobSpec, load_job
+from lowtide.jobspec import JobSpec
 from lowtide.tokens import count_tokens
-from tests.backends.test_anthropic_batch import backend_for, ids_of, run_to_end, sample_lines
-from tests.conftest import SAMPLE_JOB
-from tests.emulator.conftest import TEST_CONFIG
-
-MakeEmulator = Callable[..., Emulator]
-
-
-@pytest.fixture(scope="module")
-def job() -> JobSpec:
-    return load_job(SAMPLE_JOB, backend="anthropic")
-
-
-@pytest.fixture
-def make_emu() -> Iterator[MakeEmulator]:
-    started: list[Emulator] = []
-
-    def make(**overrides: Any) -> Emulator:
-        emu = Emulator(EmulatorConfig(**{**TEST_CONFIG, **overrides})).start()
-        started.append(emu)
-        return emu
-
-    yield make
-    for emu in started:
-        emu.stop()
+from tests.backends.test_anthropic_batch import (
+    backend_for,
+    ids_of,
+    run_to_end,
+    sample_lines,
+)
+from tests.emulator.conftest import MakeEmulator
 
 
 def _cached_by_request(emu: Any, job: JobSpec) -> tuple[list[str], dict[str, dict[str, Any]]]:
